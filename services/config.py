@@ -60,6 +60,11 @@ class ModelArchConfig:
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
+            # transformers >= 5 saves rope settings under "rope_parameters".
+            rope = cfg.get("rope_parameters") or {}
+            rope_scaling = cfg.get("rope_scaling") or (
+                rope if rope.get("rope_type", "default") != "default" else None
+            )
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -72,12 +77,12 @@ class ModelArchConfig:
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 qk_norm=arch == "Qwen3ForCausalLM",
-                rope_scaling=cfg.get("rope_scaling"),
+                rope_scaling=rope_scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -90,7 +95,6 @@ class ModelConfig:
     """Which model to serve and how to load it."""
 
     model: str | None = None  # path to a GGUF file or HF folder; None = default model
-    served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -146,7 +150,7 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from vLLM-style keyword names (``max_num_seqs=...``); unknown names are errors."""
         cfg = cls()
-        sections = [cfg.model, cfg.cache, cfg.scheduler, cfg.worker]
+        sections: list[Any] = [cfg.model, cfg.cache, cfg.scheduler, cfg.worker]
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in dataclasses.fields(section)}:
@@ -157,12 +161,16 @@ class EngineConfig:
         cfg.validate()
         return cfg
 
+    @staticmethod
+    def flag_names() -> set[str]:
+        """Every engine argument name (the CLI's ``--max-num-seqs`` is ``max_num_seqs``)."""
+        sections = (ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig)
+        return {f.name for s in sections for f in dataclasses.fields(s)}
+
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        names = {f.name for s in (ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig)
-                 for f in dataclasses.fields(s)}
-        kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
-        return cls.from_kwargs(**kwargs)
+        names = cls.flag_names()
+        return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names and v is not None})
 
     def validate(self) -> None:
         c, s, m = self.cache, self.scheduler, self.model
@@ -244,7 +252,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model", dest="model", default=None,
                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default=None, help="auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16")
     g.add_argument("--load-format", default=None, help="auto, gguf, safetensors or dummy (random weights)")
     g.add_argument("--max-model-len", type=parse_token_count, default=None)
@@ -274,3 +281,36 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-backend", default=None)
     g.add_argument("--attention-backend", default=None, help="torch or triton")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads in the worker (CPU)")
+
+
+@dataclass
+class Endpoints:
+    """The ``ipc://`` (or tcp) addresses of one server's sockets; who binds each is noted."""
+
+    tokenizer_requests: str = ""  # api_server binds (PUSH) -> tokenizers
+    api_outputs: str = ""  # api_server binds (PULL) <- tokenizers, detokenizer, launcher
+    engine_core: str = ""  # scheduler binds (PULL) <- tokenizers, api_server, detokenizer
+    step_plans: str = ""  # scheduler binds (XPUB) -> worker ranks
+    step_results: str = ""  # scheduler binds (PULL) <- worker rank 0
+    detok_tokens: str = ""  # detokenizer binds (PULL) <- scheduler
+    detok_specs: str = ""  # detokenizer binds (PULL) <- tokenizers
+    control: str = ""  # launcher binds (PULL) <- every child's Ready
+    kv_events: str | None = None  # scheduler binds (PUB) for routers, when set
+
+
+@dataclass
+class ServeConfig:
+    """Everything a server's processes need; the launcher hands it to each child as JSON."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    endpoints: Endpoints = field(default_factory=Endpoints)
+    model_folder: str = ""  # the prepared HF-style folder (GGUF already converted)
+    served_model_names: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    shutdown_timeout: float = 30.0
+    max_num_queued_reqs: int | None = None
+    tokenizer_workers: int = 1
+    num_blocks: int = 0  # measured by the worker, given to the scheduler
+    log_level: str = "info"

@@ -189,3 +189,233 @@ class TokenBatch(msgspec.Struct, **_STRUCT):
     """Everything one engine step produced, for the detokenizer."""
 
     items: list[RequestTokens] = []
+
+
+# ---- serve path: api_server <-> tokenizer -> scheduler -> detokenizer -> api_server
+#
+# Sockets and what they carry (each union member is tagged with its class name):
+#   api_server  -PUSH TokenizerInput->     tokenizer (xN, round robin)
+#   tokenizer   -PUSH EngineCoreInput->    scheduler      (TokenizedRequest)
+#   api_server  -PUSH EngineCoreInput->    scheduler      (Abort)
+#   detokenizer -PUSH EngineCoreInput->    scheduler      (FinishRequest)
+#   tokenizer   -PUSH RequestOutputSpec->  detokenizer    (sent before the TokenizedRequest)
+#   scheduler   -PUSH TokenBatch->         detokenizer
+#   tokenizer, detokenizer -PUSH ApiServerInput-> api_server
+#   launcher    -PUSH ApiServerInput->     api_server     (EngineDead)
+#
+# The scheduler's side of the contract: for every TokenizedRequest it accepts it
+# sends exactly one RequestTokens with finish_reason set (aborted and
+# FinishRequest'ed requests included: finish_reason "abort"), so the detokenizer
+# can free its state; it ignores Abort / FinishRequest for ids it does not hold.
+
+_TAGGED = {**_STRUCT, "tag": True}
+
+
+class GenerateRequest(msgspec.Struct, **_TAGGED):
+    """A completion or chat request, validated by the api_server, not yet tokenized.
+
+    Exactly one of ``prompt``, ``prompt_token_ids`` and ``messages`` is set.
+    ``sampling.max_tokens`` None means "up to max_model_len"; the tokenizer fills
+    it in. With ``echo`` the detokenizer returns the prompt text in the first delta.
+    """
+
+    req_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, object]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, object] = {}
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(msgspec.Struct, **_TAGGED):
+    """``POST /tokenize``: a prompt or chat messages to turn into token ids."""
+
+    req_id: str
+    prompt: str | None = None
+    messages: list[dict[str, object]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, object] = {}
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, **_TAGGED):
+    """``POST /detokenize``: token ids to turn into text."""
+
+    req_id: str
+    token_ids: list[int]
+
+
+TokenizerInput = GenerateRequest | TokenizeRequest | DetokenizeRequest
+
+
+class TokenizedRequest(msgspec.Struct, **_TAGGED):
+    """A request ready for the scheduler: prompt tokens within max_model_len, max_tokens set."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+
+
+class Abort(msgspec.Struct, **_TAGGED):
+    """Stop these requests now (client gone, or the server is shutting down)."""
+
+    req_ids: list[str]
+
+
+class FinishRequest(msgspec.Struct, **_TAGGED):
+    """The detokenizer matched a stop string: finish the request and free its blocks."""
+
+    req_id: str
+    finish_reason: str = "stop"
+    stop_reason: str | None = None
+
+
+EngineCoreInput = TokenizedRequest | Abort | FinishRequest
+
+
+class RequestOutputSpec(msgspec.Struct, **_STRUCT):
+    """How the detokenizer renders one request's output (sent by the tokenizer).
+
+    ``prompt_tail_ids`` are the last prompt tokens, decoding context for the
+    first output token; ``prompt_text`` is set only when the client asked for echo.
+    """
+
+    req_id: str
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    prompt_tail_ids: list[int] = []
+    prompt_text: str | None = None
+
+
+class DecodedLogprob(msgspec.Struct, **_STRUCT):
+    """One output token's log-probability and its top alternatives, with their text."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int = 1
+    top_token_ids: list[int] = []
+    top_tokens: list[str] = []
+    top_logprobs: list[float] = []
+
+
+class TextDelta(msgspec.Struct, **_STRUCT):
+    """New output text of one request; the last delta of a request has ``finish_reason``.
+
+    ``finish_reason`` is "stop", "length", "abort" or "error"; ``stop_reason`` is
+    the stop string or stop token id that ended it (None for EOS or length).
+    Counts are the engine's: usage is reported from them, never re-tokenized.
+    """
+
+    req_id: str
+    text: str
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[DecodedLogprob] = []
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    prompt_text: str | None = None
+
+
+class TextDeltaBatch(msgspec.Struct, **_TAGGED):
+    items: list[TextDelta] = []
+
+
+class RequestError(msgspec.Struct, **_TAGGED):
+    """A request rejected after the api_server accepted it; becomes an OpenAI error."""
+
+    req_id: str
+    status: int
+    message: str
+    error_type: str = "BadRequestError"  # OpenAI's error "type"
+    param: str | None = None
+
+
+class TokenizeResult(msgspec.Struct, **_TAGGED):
+    req_id: str
+    token_ids: list[int]
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResult(msgspec.Struct, **_TAGGED):
+    req_id: str
+    text: str
+
+
+class EngineDead(msgspec.Struct, **_TAGGED):
+    """From the launcher: an engine process died; fail live requests, answer 503 from now on."""
+
+    reason: str
+
+
+ApiServerInput = TextDeltaBatch | RequestError | TokenizeResult | DetokenizeResult | EngineDead
+
+
+# ---- KV events: scheduler -PUB KVEventBatch-> router (prefix_precise)
+#
+# As vLLM's vllm/distributed/kv_events.py: the prefix cache reports blocks it
+# stores and evicts, so a router can tell which replica holds which prefix.
+# Block hashes are the scheduler's (services/scheduler/block_hash.py): bytes for
+# sha256 / sha256_cbor, int for builtin. ``seq`` numbers batches per publisher.
+
+_KV_EVENT = {**_STRUCT, "tag": True}
+
+
+class BlockStored(msgspec.Struct, **_KV_EVENT):
+    """Consecutive full blocks entered the prefix cache; the first one's parent is given."""
+
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, **_KV_EVENT):
+    """Blocks left the prefix cache (evicted to make room)."""
+
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, **_KV_EVENT):
+    """The whole prefix cache was reset."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, **_STRUCT):
+    """The KV events of one engine step, in order."""
+
+    ts: float
+    events: list[KVCacheEvent]
+    seq: int = 0
+    data_parallel_rank: int | None = None
+
+
+# ---- launcher: every child -PUSH Ready-> launcher (control socket)
+
+
+class Ready(msgspec.Struct, **_STRUCT):
+    """A child process is up and bound; a worker also reports the KV blocks it can hold."""
+
+    role: str
+    pid: int
+    num_blocks: int = 0

@@ -1,0 +1,130 @@
+"""Compile every kernel variant the wrappers launch for a CUDA target, without a GPU.
+
+    TRITON_INTERPRET=0 python -m kernels.compile_check [--arch 80 90]
+
+The interpreter (how the CPU tests run the kernels) accepts code that the compiler
+rejects (a variable changing dtype across an ``if``, a ``tl.dot`` under 16 wide), so this
+runs the public wrappers on small CPU tensors with the kernel launches intercepted and
+hands each launch to ``triton.compile`` for each ``sm_<arch>``, Triton's bundled ptxas
+included.
+Positional launch arguments are runtime values and keyword ones constexprs, as the
+wrappers pass them. Exit status 0 when all compile, 2 when the kernels were interpreted
+(``kernels`` turns the interpreter on for CPU-only hosts unless TRITON_INTERPRET=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+import kernels.attention as attention
+import kernels.kv_cache as kv_cache
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+          torch.int32: "i32", torch.int64: "i64"}  # fmt: skip
+
+
+class _Capture:
+    """Stands in for a JIT function: records each ``kernel[grid](...)`` launch."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid: Any):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def _source(fn: Any, args: tuple, constexprs: dict) -> ASTSource:
+    signature: dict[str, str] = {}
+    for name, value in zip(fn.arg_names, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
+def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
+    """Run the wrappers on CPU tensors with the launches captured."""
+    captures = {
+        name: _Capture(getattr(mod, name))
+        for mod, name in [
+            (attention, "_paged_attention_kernel"),
+            (attention, "_reduce_splits_kernel"),
+            (kv_cache, "_reshape_and_cache_kernel"),
+        ]
+    }
+    originals = {name: cap.fn for name, cap in captures.items()}
+    for name, cap in captures.items():
+        setattr(kv_cache if name.startswith("_reshape") else attention, name, cap)
+    try:
+        # (dtype, q heads, kv heads, head_dim, block_size, query lens, num_splits)
+        for dtype, hq, hkv, d, bs, q_lens, splits in [
+            (torch.bfloat16, 32, 8, 128, 16, [7, 1], None),  # prefill + decode
+            (torch.bfloat16, 32, 8, 128, 16, [1, 1], 4),  # split-KV decode
+            (torch.float16, 9, 3, 64, 8, [5, 1], None),  # GQA 3
+            (torch.float32, 8, 1, 64, 32, [1, 1], None),  # fp32: ieee dot
+        ]:
+            q = torch.empty(sum(q_lens), hq, d, dtype=dtype)
+            cache = torch.empty(4, bs, hkv, d, dtype=dtype)
+            qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+            seq_lens = torch.tensor([9, 40], dtype=torch.int32)
+            table = torch.zeros(2, 4, dtype=torch.int32)
+            attention.paged_attention(
+                q, cache, cache, table, qsl, seq_lens, max(q_lens), 40, num_splits=splits
+            )
+            kv = torch.empty(sum(q_lens), hkv, d, dtype=dtype)
+            kv_cache.reshape_and_cache(
+                kv, kv, cache, cache, torch.zeros(sum(q_lens), dtype=torch.int64)
+            )
+    finally:
+        for name, fn in originals.items():
+            setattr(kv_cache if name.startswith("_reshape") else attention, name, fn)
+    return [
+        (name, cap.fn, args, kwargs)
+        for name, cap in captures.items()
+        for args, kwargs in cap.launches
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="compile the kernels for a CUDA target")
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="e.g. 80 90")
+    args = parser.parse_args(argv)
+    if not isinstance(attention._paged_attention_kernel, JITFunction):
+        print("the kernels were set up for the interpreter: run with TRITON_INTERPRET=0")
+        return 2
+    seen, failed = set(), 0
+    launches = _launch_variants()
+    for arch, (name, fn, launch_args, constexprs) in ((a, v) for a in args.arch for v in launches):
+        source = _source(fn, launch_args, constexprs)
+        key = repr((arch, name, source.signature, constexprs))
+        if key in seen:
+            continue
+        seen.add(key)
+        start = time.monotonic()
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+            detail = f"{compiled.metadata.shared} B shared"
+        except Exception as e:  # report every variant, not just the first failure
+            failed += 1
+            detail = f"FAILED\n{e}"
+        print(f"sm_{arch} {name} {constexprs}: {detail} ({time.monotonic() - start:.1f} s)")
+    print(f"{len(seen) - failed}/{len(seen)} variants compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Entry point of every child process: ``python -m launch.child ROLE [RANK]``.
+
+The ServeConfig arrives as JSON on stdin (no pickle). Each role's code lives
+in its own service folder; this module only decodes the configuration, sets
+up the guards against outliving the launcher, and calls the role's run
+function. A user-facing configuration error prints one ``error:`` line and
+exits 2; the launcher then shuts the server down and reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import msgspec
+
+from launch.process import watch_parent
+from services.config import ConfigError, ServeConfig
+from services.ipc import PushSocket, report_ready
+from services.logging_utils import init_logger
+from services.protocol import Abort, EngineCoreInput
+
+CONTROL_ENV = "ACTORSERVE_CONTROL"
+logger = init_logger(__name__)
+
+
+def _threads_for_helper_process() -> None:
+    """Tokenizer, detokenizer, scheduler and api_server stay lean: the worker gets the cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _run_api_server(config: ServeConfig, control: str) -> None:
+    import uvicorn
+
+    from services.api_server.app import ServerSettings, build_app
+    from services.api_server.frontend import EngineFrontend, FrontendEndpoints
+
+    ep = config.endpoints
+    frontend = EngineFrontend(
+        FrontendEndpoints(ep.tokenizer_requests, ep.api_outputs, ep.engine_core),
+        max_model_len=config.engine.scheduler.max_model_len,
+    )
+    settings = ServerSettings(
+        served_model_names=config.served_model_names,
+        model_root=config.model_folder,
+        api_key=config.api_key,
+        max_num_queued_reqs=config.max_num_queued_reqs,
+    )
+    app = build_app(frontend, settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level,
+            timeout_graceful_shutdown=1,
+        )
+    )
+    # The launcher, not uvicorn, decides when to stop: SIGTERM starts the drain.
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+
+    async def drain() -> None:
+        frontend.draining = True  # new requests get 503 from here on
+        deadline = asyncio.get_running_loop().time() + config.shutdown_timeout
+        while frontend.num_running and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if frontend.num_running:
+            logger.warning("shutdown timeout: aborting %d requests", frontend.num_running)
+            with PushSocket[EngineCoreInput](ep.engine_core, EngineCoreInput) as engine:
+                engine.send(Abort(frontend.live_request_ids()))
+            await asyncio.sleep(0.5)  # let the abort deltas reach the clients
+        server.should_exit = True
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(drain()))
+        loop.add_signal_handler(signal.SIGINT, lambda: loop.create_task(drain()))
+        serving = loop.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                serving.result()  # raises what stopped it (e.g. the port is taken)
+                raise SystemExit(1)
+            await asyncio.sleep(0.02)
+        report_ready(control, "api_server")
+        await serving
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+def main() -> int:
+    role = sys.argv[1]
+    rank = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    watch_parent()
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServeConfig)
+    control = os.environ[CONTROL_ENV]
+    if role != "api_server":
+        # Stopped by the launcher once the api_server has drained: a clean exit.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher; it decides
+    try:
+        if role == "worker":
+            from services.gpu_worker.worker import run_worker
+
+            run_worker(config, control, rank)
+            return 0
+        _threads_for_helper_process()
+        if role == "scheduler":
+            from services.scheduler.service import run_scheduler
+
+            run_scheduler(config, control)
+        elif role == "tokenizer":
+            from services.tokenizer.service import run_tokenizer_process
+
+            run_tokenizer_process(config, control)
+        elif role == "detokenizer":
+            from services.detokenizer.service import run_detokenizer_process
+
+            run_detokenizer_process(config, control)
+        elif role == "api_server":
+            _run_api_server(config, control)
+        else:
+            print(f"error: unknown role {role!r}", file=sys.stderr)
+            return 2
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

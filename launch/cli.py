@@ -1,0 +1,161 @@
+"""The ``actorserve`` command line.
+
+``actorserve generate PROMPT [--chat]`` completes prompts with the offline engine.
+Engine flags have vLLM's names (``--max-num-seqs``, ``--block-size``, ...). A
+configuration or model-loading mistake prints one ``error:`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from services.config import ConfigError, add_engine_args
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="complete prompts with the offline engine",
+        description="Complete one or more prompts with continuous batching and print the results.",
+    )
+    p.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
+    p.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stats", action="store_true", help="print token counts and throughput")
+    add_engine_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        try:
+            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise ConfigError(f"cannot read --prompts-file: {e.strerror}: {args.prompts_file}") from None
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError("give a prompt, or --prompts-file with one prompt per line")
+    return prompts
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from services.engine import LLM
+    from services.protocol import SamplingParams
+
+    prompts = _read_prompts(args)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    engine_args = {k: v for k, v in vars(args).items() if v is not None}
+    llm = LLM(**_engine_kwargs(engine_args))
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [
+            llm.apply_chat_template([*system, {"role": "user", "content": p}]) for p in prompts
+        ]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for i, result in enumerate(results):
+        if len(results) > 1:
+            print(f"--- [{i}] {args.prompt[i] if i < len(args.prompt) else ''}".rstrip())
+        print(result.outputs[0].text)
+    if args.stats:
+        n_out = sum(len(r.outputs[0].token_ids) for r in results)
+        n_in = sum(len(r.prompt_token_ids) for r in results)
+        print(
+            f"{len(results)} prompts, {n_in} prompt tokens, {n_out} output tokens in "
+            f"{elapsed:.2f} s: {n_out / elapsed:.1f} output tok/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _engine_kwargs(values: dict) -> dict:
+    from services.config import EngineConfig
+
+    names = EngineConfig.flag_names()
+    return {k: v for k, v in values.items() if k in names}
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        description="Start the server: api_server, tokenizer, scheduler, worker and detokenizer processes.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in the 'model' field (default: the model argument)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="answer 429 while more requests than this wait for the engine")
+    p.add_argument("--tokenizer-workers", type=int, default=1)
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV cache events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557)")
+    p.add_argument("--uvicorn-log-level", default="warning")
+    add_engine_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from launch.serve import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError("give the model once: as MODEL or as --model, not both")
+        args.model = args.model_tag
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="actorserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_serve(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from services.model_loader import ModelLoadError
+
+    try:
+        return int(args.func(args))
+    except (ConfigError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Starting, watching and stopping the engine's child processes, with no orphans.
+
+Each child is a fresh interpreter (``python -m <module>``), not a fork: no
+inherited locks or CUDA state, and no pickle — its configuration arrives as
+msgspec JSON on stdin. Two independent guards make sure a child never outlives
+the launcher, even after ``kill -9`` of the launcher:
+
+- the Linux parent-death signal (``PR_SET_PDEATHSIG``), set before exec, kills
+  the child with SIGKILL when the launcher thread that forked it dies;
+- a death pipe: the launcher holds the write end, the child a thread blocked on
+  the read end; EOF (the launcher is gone, however it died) ends the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+DEATH_FD_ENV = "ACTORSERVE_DEATH_FD"
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the death pipe still guards
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+    expected_exit: bool = False
+
+
+@dataclass
+class ProcessGroup:
+    """The launcher's children. Not thread-safe: use from the launcher's supervising thread."""
+
+    children: list[Child] = field(default_factory=list)
+    _death_r: int = -1
+    _death_w: int = -1
+
+    def __post_init__(self) -> None:
+        self._death_r, self._death_w = os.pipe()
+        os.set_inheritable(self._death_r, True)
+
+    def start(
+        self,
+        name: str,
+        module: str,
+        config_json: bytes,
+        extra_env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ) -> Child:
+        """Run ``python -m module *args`` with ``config_json`` on its stdin."""
+        env = dict(os.environ, **(extra_env or {}))
+        env[DEATH_FD_ENV] = str(self._death_r)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.PIPE,
+            env=env,
+            pass_fds=(self._death_r,),
+            preexec_fn=_set_pdeathsig,
+            start_new_session=False,
+        )
+        assert popen.stdin is not None
+        popen.stdin.write(config_json)
+        popen.stdin.close()
+        child = Child(name, popen)
+        self.children.append(child)
+        return child
+
+    def first_dead(self) -> Child | None:
+        """A child that exited without being asked to, if any."""
+        for child in self.children:
+            if child.popen.poll() is not None and not child.expected_exit:
+                return child
+        return None
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        """SIGTERM every child, wait up to ``timeout`` seconds, then SIGKILL the rest."""
+        for child in self.children:
+            child.expected_exit = True
+            if child.popen.poll() is None:
+                child.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            try:
+                child.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.popen.kill()
+                child.popen.wait()
+        for fd in (self._death_r, self._death_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def watch_parent() -> None:
+    """In a child: exit at once when the launcher is gone (death-pipe EOF)."""
+    fd_text = os.environ.get(DEATH_FD_ENV)
+    if fd_text is None:
+        return
+    fd = int(fd_text)
+
+    def wait_for_eof() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        os._exit(1)
+
+    threading.Thread(target=wait_for_eof, name="death-pipe", daemon=True).start()

@@ -1,0 +1,183 @@
+"""``actorserve serve``: start every process of one server, supervise them, shut down cleanly.
+
+Start-up order follows what each process needs: the worker first (it measures
+the KV capacity), then the scheduler (which sizes its block pool from it), the
+detokenizer and tokenizers, and last the api_server, so that the port opens
+only when the engine behind it can serve. Each child reports READY on the
+control socket.
+
+Supervision: if any child dies, the api_server is told (every in-flight
+request ends with an error, ``/health`` turns 503), the rest are stopped and
+the launcher exits non-zero. SIGTERM (or Ctrl-C) drains: the api_server stops
+accepting (503), lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, aborts the rest; then everything exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections import Counter
+
+import msgspec
+
+from launch.child import CONTROL_ENV
+from launch.process import Child, ProcessGroup
+from services.config import ConfigError, Endpoints, EngineConfig, ModelArchConfig, ServeConfig
+from services.ipc import IpcDir, PullSocket, PushSocket
+from services.logging_utils import init_logger
+from services.model_loader import load_hf_config, prepare_model
+from services.protocol import ApiServerInput, EngineDead, Ready
+
+logger = init_logger(__name__)
+
+_SOCKETS = (
+    "tokenizer_requests", "api_outputs", "engine_core", "step_plans", "step_results",
+    "detok_tokens", "detok_specs", "control",
+)
+_POLL_MS = 200
+
+
+class StartupError(RuntimeError):
+    """A child died or never reported READY during start-up."""
+
+
+def served_name(model: str | None) -> str:
+    """vLLM serves the model under the --model string; the default model under its own name."""
+    return model if model is not None else "SmolLM2-135M-Instruct"
+
+
+class Launcher:
+    """Owns the children and the control socket of one server."""
+
+    def __init__(self, config: ServeConfig, ipc: IpcDir) -> None:
+        self.config = config
+        self.group = ProcessGroup()
+        self.control = PullSocket[Ready](config.endpoints.control, Ready, bind=True)
+        self._env = {CONTROL_ENV: config.endpoints.control}
+        self._stop_requested = False
+
+    def _start(self, role: str, *extra: str) -> Child:
+        return self.group.start(
+            role, "launch.child", msgspec.json.encode(self.config), self._env, args=(role, *extra)
+        )
+
+    def _wait_ready(self, expected: Counter[str], timeout_s: float) -> list[Ready]:
+        got: list[Ready] = []
+        deadline = time.monotonic() + timeout_s
+        while sum(expected.values()):
+            dead = self.group.first_dead()
+            if dead is not None:
+                raise StartupError(
+                    f"the {dead.name} process exited with code {dead.popen.returncode} "
+                    "during start-up (its error is above)"
+                )
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                raise StartupError(f"timed out waiting for {dict(+expected)} to start")
+            msg = self.control.recv(timeout_ms=_POLL_MS)
+            if msg is not None and expected[msg.role] > 0:
+                expected[msg.role] -= 1
+                got.append(msg)
+        return got
+
+    def start(self) -> None:
+        self._start("worker", "0")
+        (worker,) = self._wait_ready(Counter(worker=1), timeout_s=900)
+        self.config.num_blocks = worker.num_blocks
+        self._start("scheduler")
+        self._start("detokenizer")
+        for _ in range(self.config.tokenizer_workers):
+            self._start("tokenizer")
+        self._wait_ready(
+            Counter(scheduler=1, detokenizer=1, tokenizer=self.config.tokenizer_workers), 300
+        )
+        self._start("api_server")
+        self._wait_ready(Counter(api_server=1), 120)
+
+    def supervise(self) -> int:
+        """Block until a child dies (exit 1) or a drain completes (exit 0)."""
+        api = next(c for c in self.group.children if c.name == "api_server")
+        while True:
+            if self._stop_requested:
+                return self._drain(api)
+            dead = self.group.first_dead()
+            if dead is not None:
+                return self._on_child_death(dead, api)
+            time.sleep(_POLL_MS / 1000)
+
+    def _drain(self, api: Child) -> int:
+        logger.info("shutting down: draining in-flight requests (up to %.0f s)",
+                    self.config.shutdown_timeout)
+        api.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.shutdown_timeout + 10
+        while api.popen.poll() is None and time.monotonic() < deadline:
+            dead = self.group.first_dead()
+            if dead is not None and dead is not api:
+                return self._on_child_death(dead, api)
+            time.sleep(0.05)
+        api.expected_exit = True
+        self.group.stop_all()
+        return 0
+
+    def _on_child_death(self, dead: Child, api: Child) -> int:
+        reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
+        logger.error("%s; shutting the server down", reason)
+        if dead is not api and api.popen.poll() is None:
+            with PushSocket[ApiServerInput](self.config.endpoints.api_outputs, ApiServerInput) as s:
+                s.send(EngineDead(f"The engine stopped: {reason}."))
+            time.sleep(1.0)  # let in-flight requests receive their error
+        self.group.stop_all()
+        return 1
+
+    def request_stop(self, *_: object) -> None:
+        self._stop_requested = True
+
+
+def run_server(args: object) -> int:
+    engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
+    model = engine.model.model
+    folder = prepare_model(model, engine.model.load_format)
+    engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))
+    a = vars(args)
+    ipc = IpcDir()
+    endpoints = Endpoints(**{name: ipc.endpoint(name) for name in _SOCKETS})
+    endpoints.kv_events = a.get("kv_events_endpoint")
+    config = ServeConfig(
+        engine=engine,
+        endpoints=endpoints,
+        model_folder=str(folder),
+        served_model_names=a.get("served_model_name") or [served_name(model)],
+        host=a["host"],
+        port=a["port"],
+        api_key=a.get("api_key"),
+        shutdown_timeout=a["shutdown_timeout"],
+        max_num_queued_reqs=a.get("max_num_queued_reqs"),
+        tokenizer_workers=a["tokenizer_workers"],
+        log_level=a["uvicorn_log_level"],
+    )
+    if config.tokenizer_workers < 1:
+        raise ConfigError("--tokenizer-workers must be at least 1")
+    launcher = Launcher(config, ipc)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    try:
+        launcher.start()
+        print(
+            f"actorserve is serving {config.served_model_names[0]} on "
+            f"http://{config.host}:{config.port}/v1 (Ctrl-C or SIGTERM to stop)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return launcher.supervise()
+    except StartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        launcher.group.stop_all()
+        launcher.control.close()
+        ipc.cleanup()

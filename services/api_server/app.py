@@ -1,0 +1,302 @@
+"""The OpenAI-compatible HTTP app. ``build_app(frontend, settings)`` wires routes to an engine.
+
+Bodies are read and parsed by ``http_io`` (size cap, strict UTF-8 JSON) rather than by
+FastAPI, so every bad input gets an OpenAI-shaped error with the right
+status. ``/tokenize`` and ``/detokenize`` go through the tokenizer processes:
+the api_server never loads a tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+)
+
+from services.api_server import serving
+from services.api_server.frontend import EngineFrontend, EngineRequestError
+from services.api_server.http_io import (
+    APIError,
+    AuthMiddleware,
+    ClientGone,
+    error_response,
+    parse_body,
+    prepend,
+    read_json,
+    until_disconnect,
+    validate_sampling,
+)
+from services.api_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ParamError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from services.protocol import DetokenizeRequest as EngineDetokenizeRequest
+from services.protocol import GenerateRequest, SamplingParams, TokenizeRequest
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class ServerSettings:
+    """The api_server's own flags (vLLM's names where vLLM has them)."""
+
+    served_model_names: list[str]
+    model_root: str | None = None
+    api_key: str | None = None
+    max_num_queued_reqs: int | None = None  # None: no limit; over it new requests get 429
+    max_request_body_bytes: int = 8 << 20
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving ``frontend``'s engine; starts and closes the frontend with the app."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await frontend.start()
+        try:
+            yield
+        finally:
+            await frontend.close()
+
+    app = FastAPI(title="actorserve", version=VERSION, lifespan=lifespan)
+    names = settings.served_model_names
+    limit = settings.max_request_body_bytes
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, param=e.param)
+
+    @app.exception_handler(EngineRequestError)
+    async def _engine_error(_: Request, e: EngineRequestError) -> JSONResponse:
+        return error_response(e.status, e.message, e.error_type, e.param)
+
+    @app.exception_handler(ParamError)
+    async def _param_error(_: Request, e: ParamError) -> JSONResponse:
+        return error_response(400, str(e), param=e.param)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        return error_response(500, f"Internal server error: {type(e).__name__}")
+
+    def check_model(model: str | None) -> str:
+        if model is not None and model not in names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return model or names[0]
+
+    def check_admission() -> None:
+        if frontend.errored:
+            raise APIError(503, "The engine is not running.")
+        if frontend.draining:
+            raise APIError(503, "The server is shutting down.")
+        cap = settings.max_num_queued_reqs
+        if cap is not None and frontend.num_waiting >= cap:
+            raise APIError(429, f"Too many queued requests (limit {cap}); retry later.")
+
+    def fan_out(
+        ctx: serving.ResponseContext,
+        sampling: SamplingParams,
+        make: Callable[[str, SamplingParams, int], GenerateRequest],
+    ) -> list[GenerateRequest]:
+        """n choices per prompt: engine requests ``{id}-{index}``, seed+i when seeded (as vLLM)."""
+        reqs = []
+        for p in range(ctx.num_prompts):
+            for i in range(ctx.n):
+                seed = None if sampling.seed is None else sampling.seed + i
+                sub = msgspec.structs.replace(sampling, n=1, seed=seed)
+                reqs.append(make(f"{ctx.id}-{p * ctx.n + i}", sub, p))
+        return reqs
+
+    async def respond(
+        request: Request,
+        stream: bool,
+        deltas: serving.Deltas,
+        stream_fn: Callable[[serving.Deltas], AsyncIterator[bytes]],
+        full_fn: Callable[[serving.Deltas], Awaitable[dict[str, Any]]],
+    ) -> Response:
+        try:
+            if not stream:
+                return JSONResponse(await until_disconnect(request, full_fn(deltas)))
+            # Wait for the first delta so a rejected request still gets its 4xx status.
+            first = await until_disconnect(request, anext(deltas))
+        except ClientGone:
+            return Response(status_code=499)
+        return StreamingResponse(stream_fn(prepend(first, deltas)), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        req = parse_body(CompletionRequest, await read_json(request, limit))
+        model = check_model(req.model)
+        req.check()
+        prompts = req.prompts()
+        sampling = req.sampling_params(req.max_tokens, req.logprobs)
+        validate_sampling(sampling)
+        check_admission()
+        ctx = serving.ResponseContext(
+            f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, req.n, len(prompts), req.echo
+        )
+        now = time.time()
+
+        def make(req_id: str, sub: SamplingParams, p: int) -> GenerateRequest:
+            prompt = prompts[p]
+            return GenerateRequest(
+                req_id,
+                sub,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=prompt if isinstance(prompt, list) else None,
+                add_special_tokens=req.add_special_tokens,
+                arrival_time=now,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                echo=req.echo,
+            )
+
+        want_lp = req.logprobs is not None
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await respond(
+            request,
+            req.stream,
+            frontend.generate(fan_out(ctx, sampling, make)),
+            lambda d: serving.completion_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
+            lambda d: serving.completion_full(ctx, d, want_logprobs=want_lp),
+        )
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await read_json(request, limit))
+        model = check_model(req.model)
+        req.check()
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        sampling = req.sampling_params(max_tokens, req.num_logprobs)
+        validate_sampling(sampling)
+        check_admission()
+        ctx = serving.ResponseContext(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, req.n
+        )
+        messages = [m.to_template() for m in req.messages]
+        now = time.time()
+
+        def make(req_id: str, sub: SamplingParams, p: int) -> GenerateRequest:
+            return GenerateRequest(
+                req_id,
+                sub,
+                messages=messages,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs or {},
+                add_generation_prompt=req.add_generation_prompt,
+                add_special_tokens=req.add_special_tokens,
+                arrival_time=now,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+            )
+
+        want_lp = req.logprobs
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await respond(
+            request,
+            req.stream,
+            frontend.generate(fan_out(ctx, sampling, make)),
+            lambda d: serving.chat_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
+            lambda d: serving.chat_full(ctx, d, want_logprobs=want_lp),
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await read_json(request, limit)
+        req_id = f"tok-{uuid.uuid4().hex}"
+        if isinstance(body, dict) and "messages" in body:
+            chat = parse_body(TokenizeChatRequest, body)
+            check_model(chat.model)
+            engine_req = TokenizeRequest(
+                req_id,
+                messages=[m.to_template() for m in chat.messages],
+                add_special_tokens=chat.add_special_tokens,
+                add_generation_prompt=chat.add_generation_prompt,
+                chat_template_kwargs=chat.chat_template_kwargs or {},
+                return_token_strs=chat.return_token_strs,
+            )
+        else:
+            plain = parse_body(TokenizeCompletionRequest, body)
+            check_model(plain.model)
+            engine_req = TokenizeRequest(
+                req_id,
+                prompt=plain.prompt,
+                add_special_tokens=plain.add_special_tokens,
+                return_token_strs=plain.return_token_strs,
+            )
+        check_admission()
+        result = await frontend.tokenize(engine_req)
+        return JSONResponse(
+            {
+                "count": len(result.token_ids),
+                "max_model_len": result.max_model_len,
+                "tokens": result.token_ids,
+                "token_strs": result.token_strs,
+            }
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = parse_body(DetokenizeRequest, await read_json(request, limit))
+        check_model(req.model)
+        check_admission()
+        result = await frontend.detokenize(
+            EngineDetokenizeRequest(f"detok-{uuid.uuid4().hex}", req.tokens)
+        )
+        return JSONResponse({"prompt": result.text})
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": settings.created,
+                "owned_by": "actorserve",
+                "root": settings.model_root or name,
+                "parent": None,
+                "max_model_len": frontend.max_model_len,
+            }
+            for name in names
+        ]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if frontend.errored else 200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": VERSION})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        registry = REGISTRY
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.api_key:
+        app.add_middleware(AuthMiddleware, api_key=settings.api_key)  # type: ignore[arg-type]
+    return app

@@ -1,0 +1,209 @@
+"""The api_server's side of the engine: its sockets and one asyncio queue per live request.
+
+Requests go to the tokenizer processes; aborts go to the scheduler; text
+deltas (from the detokenizer) and errors and tokenize results (from the
+tokenizers) all come back on one PULL socket, routed here by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from services.ipc import AsyncPullSocket, AsyncPushSocket
+from services.protocol import (
+    Abort,
+    ApiServerInput,
+    DetokenizeRequest,
+    DetokenizeResult,
+    EngineCoreInput,
+    EngineDead,
+    GenerateRequest,
+    RequestError,
+    TextDelta,
+    TextDeltaBatch,
+    TokenizeRequest,
+    TokenizeResult,
+    TokenizerInput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRequestError(Exception):
+    """The engine rejected or failed a request; carries the HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, error_type: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param = status, message, error_type, param
+
+    @classmethod
+    def from_msg(cls, e: RequestError) -> EngineRequestError:
+        return cls(e.status, e.message, e.error_type, e.param)
+
+
+@dataclass(frozen=True)
+class FrontendEndpoints:
+    tokenizer_requests: str  # bound here: PUSH -> tokenizers (TokenizerInput)
+    outputs: str  # bound here: PULL <- tokenizers, detokenizer (ApiServerInput)
+    engine_core: str  # the scheduler's PULL (Abort)
+
+
+@dataclass
+class _Live:
+    queue: asyncio.Queue[tuple[int, TextDelta | RequestError | TokenizeResult | DetokenizeResult]]
+    index: int
+    waiting: bool = True  # no output yet: counts against max_num_queued_reqs
+
+
+class EngineFrontend:
+    """Owns the api_server's sockets; ``generate`` streams one request group's deltas.
+
+    Contract: call ``start()`` inside the server's event loop before use.
+    ``generate`` yields ``(index, TextDelta)`` for the n sub-requests of a
+    group until each has a delta with ``finish_reason``; an engine error raises
+    ``EngineRequestError``; leaving early (client gone, error) aborts the
+    unfinished sub-requests. ``draining`` is set on SIGTERM; ``errored`` by
+    ``fail_all`` (an ``EngineDead`` message from the launcher); the HTTP layer
+    turns both into 503s.
+    """
+
+    def __init__(self, endpoints: FrontendEndpoints, *, max_model_len: int) -> None:
+        self.endpoints = endpoints
+        self.max_model_len = max_model_len
+        self.errored = False
+        self.draining = False
+        self._live: dict[str, _Live] = {}
+        self._num_waiting = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._recv_task: asyncio.Task[None] | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests sent that have produced no output yet (queued or prefilling)."""
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._live)
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._live)
+
+    async def start(self) -> None:
+        e = self.endpoints
+        self._requests = AsyncPushSocket[TokenizerInput](
+            e.tokenizer_requests, TokenizerInput, bind=True
+        )
+        self._outputs = AsyncPullSocket[ApiServerInput](e.outputs, ApiServerInput, bind=True)
+        self._engine = AsyncPushSocket[EngineCoreInput](e.engine_core, EngineCoreInput)
+        self._recv_task = asyncio.create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recv_task
+            for sock in (self._requests, self._outputs, self._engine):
+                sock.close()
+
+    def fail_all(self, message: str) -> None:
+        """The engine died: mark it so and end every live request with a 503."""
+        self.errored = True
+        for req_id, live in list(self._live.items()):
+            live.queue.put_nowait(
+                (live.index, RequestError(req_id, 503, message, "ServiceUnavailableError"))
+            )
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = await self._outputs.recv()
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                logger.exception("dropping an undecodable message from the engine")
+                continue
+            if isinstance(msg, TextDeltaBatch):
+                for delta in msg.items:
+                    self._deliver(delta.req_id, delta)
+            elif isinstance(msg, EngineDead):
+                self.fail_all(msg.reason)
+            else:
+                self._deliver(msg.req_id, msg)
+
+    def _deliver(
+        self, req_id: str, item: TextDelta | RequestError | TokenizeResult | DetokenizeResult
+    ) -> None:
+        live = self._live.get(req_id)
+        if live is None:
+            return  # aborted or finished already: late output is dropped
+        if live.waiting:
+            live.waiting = False
+            self._num_waiting -= 1
+        live.queue.put_nowait((live.index, item))
+
+    def _register(self, req_id: str, queue: asyncio.Queue, index: int) -> None:  # type: ignore[type-arg]
+        if req_id in self._live:
+            raise EngineRequestError(
+                400, f"request id {req_id!r} is already in use", "BadRequestError"
+            )
+        self._live[req_id] = _Live(queue, index)
+        self._num_waiting += 1
+
+    def _release(self, req_id: str) -> None:
+        live = self._live.pop(req_id, None)
+        if live is not None and live.waiting:
+            self._num_waiting -= 1
+
+    async def generate(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+        queue: asyncio.Queue = asyncio.Queue()  # type: ignore[type-arg]
+        for i, req in enumerate(reqs):
+            self._register(req.req_id, queue, i)
+        unfinished = {r.req_id for r in reqs}
+        try:
+            for req in reqs:
+                await self._requests.send(req)
+            while unfinished:
+                index, item = await queue.get()
+                if isinstance(item, RequestError):
+                    raise EngineRequestError.from_msg(item)
+                assert isinstance(item, TextDelta)
+                if item.finish_reason is not None:
+                    unfinished.discard(item.req_id)
+                    self._release(item.req_id)
+                yield index, item
+        finally:
+            for req in reqs:
+                self._release(req.req_id)
+            if unfinished:
+                # May run inside a cancelled scope (client gone): send from a new task.
+                task = asyncio.get_running_loop().create_task(self._abort(sorted(unfinished)))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _abort(self, req_ids: list[str]) -> None:
+        await self._engine.send(Abort(req_ids))
+
+    async def _call(
+        self, req: TokenizeRequest | DetokenizeRequest
+    ) -> TokenizeResult | DetokenizeResult:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1)  # type: ignore[type-arg]
+        self._register(req.req_id, queue, 0)
+        try:
+            await self._requests.send(req)
+            _, item = await queue.get()
+        finally:
+            self._release(req.req_id)
+        if isinstance(item, RequestError):
+            raise EngineRequestError.from_msg(item)
+        return item  # type: ignore[no-any-return]
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResult:
+        return await self._call(req)  # type: ignore[return-value]
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResult:
+        return await self._call(req)  # type: ignore[return-value]

@@ -1,0 +1,254 @@
+"""Engine deltas -> OpenAI responses, in vLLM's shapes (completions and chat, streamed or not).
+
+A request group is ``num_prompts * n`` engine requests; choice ``index`` is
+``prompt_index * n + i`` as in vLLM. Usage counts come from the engine
+(each prompt counted once, every choice's output tokens summed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from services.api_server.frontend import EngineRequestError
+from services.protocol import DecodedLogprob, TextDelta
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+_MIN_LOGPROB = -9999.0  # vLLM clamps -inf so the JSON stays valid
+
+Deltas = AsyncIterator[tuple[int, TextDelta]]
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def error_body(
+    status: int, message: str, error_type: str, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+@dataclass
+class ResponseContext:
+    """What every chunk of one response repeats, and how choices map to prompts."""
+
+    id: str
+    created: int
+    model: str
+    n: int
+    num_prompts: int = 1
+    echo: bool = False
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * self.num_prompts
+
+
+@dataclass
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    num_chars: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[DecodedLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    prompt_chars: int = 0  # echoed prompt text at the start of the choice's text
+
+    def update(self, delta: TextDelta, text: str) -> int:
+        """Record a delta (``text`` may start with the echoed prompt); return where its
+        generated text starts in the choice's text."""
+        offset = self.num_chars + len(text) - len(delta.text)
+        if not self.num_chars:
+            self.prompt_chars = len(text) - len(delta.text)
+        self.text.append(text)
+        self.num_chars += len(text)
+        self.logprobs += delta.logprobs
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.num_output_tokens = delta.num_output_tokens
+        return offset
+
+
+def usage(ctx: ResponseContext, states: list[ChoiceState]) -> dict[str, Any]:
+    firsts = [states[p * ctx.n] for p in range(ctx.num_prompts)]
+    prompt = sum(s.num_prompt_tokens for s in firsts)
+    completion = sum(s.num_output_tokens for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in firsts)},
+    }
+
+
+def _check_error(delta: TextDelta) -> None:
+    if delta.finish_reason == "error":
+        raise EngineRequestError(500, "the engine failed while generating", "InternalServerError")
+
+
+# ---------------------------------------------------------------- completions
+
+
+def completion_logprobs(lps: list[DecodedLogprob], offset: int) -> dict[str, Any]:
+    out: dict[str, list[Any]] = {
+        "text_offset": [],
+        "token_logprobs": [],
+        "tokens": [],
+        "top_logprobs": [],
+    }
+    for lp in lps:
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(_lp(lp.logprob))
+        out["tokens"].append(lp.token)
+        top = {lp.token: _lp(lp.logprob)}
+        top.update({t: _lp(x) for t, x in zip(lp.top_tokens, lp.top_logprobs, strict=False)})
+        out["top_logprobs"].append(top)
+        offset += len(lp.token)
+    return out
+
+
+def _completion_text(ctx: ResponseContext, delta: TextDelta) -> str:
+    if ctx.echo and delta.prompt_text is not None:
+        return delta.prompt_text + delta.text
+    return delta.text
+
+
+async def completion_stream(
+    ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    states = [ChoiceState() for _ in range(ctx.num_choices)]
+    try:
+        async for index, delta in deltas:
+            _check_error(delta)
+            text = _completion_text(ctx, delta)
+            offset = states[index].update(delta, text)
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": completion_logprobs(delta.logprobs, offset) if want_logprobs else None,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            }
+            yield sse(_chunk(ctx, "text_completion", [choice]))
+        if include_usage:
+            yield sse({**_chunk(ctx, "text_completion", []), "usage": usage(ctx, states)})
+    except EngineRequestError as e:
+        yield sse(error_body(e.status, e.message, e.error_type, e.param))
+    yield DONE
+
+
+async def completion_full(
+    ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool
+) -> dict[str, Any]:
+    states = [ChoiceState() for _ in range(ctx.num_choices)]
+    async for index, delta in deltas:
+        _check_error(delta)
+        states[index].update(delta, _completion_text(ctx, delta))
+    choices = []
+    for i, s in enumerate(states):
+        text = "".join(s.text)
+        lps = completion_logprobs(s.logprobs, s.prompt_chars) if want_logprobs else None
+        choices.append(
+            {
+                "index": i,
+                "text": text,
+                "logprobs": lps,
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+            }
+        )
+    return {**_chunk(ctx, "text_completion", choices), "usage": usage(ctx, states)}
+
+
+def _chunk(ctx: ResponseContext, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": ctx.id,
+        "object": obj,
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": choices,
+    }
+
+
+# ---------------------------------------------------------------- chat
+
+
+def chat_logprobs(lps: list[DecodedLogprob]) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **entry(lp.token, lp.logprob),
+                "top_logprobs": [
+                    entry(t, x) for t, x in zip(lp.top_tokens, lp.top_logprobs, strict=False)
+                ],
+            }
+            for lp in lps
+        ]
+    }
+
+
+async def chat_stream(
+    ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    states = [ChoiceState() for _ in range(ctx.num_choices)]
+    obj = "chat.completion.chunk"
+    # The first chunk of every choice carries the role, as OpenAI and vLLM send it.
+    for i in range(ctx.num_choices):
+        role = {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield sse(_chunk(ctx, obj, [role]))
+    try:
+        async for index, delta in deltas:
+            _check_error(delta)
+            states[index].update(delta, delta.text)
+            choice: dict[str, Any] = {
+                "index": index,
+                "delta": {"content": delta.text},
+                "logprobs": chat_logprobs(delta.logprobs) if want_logprobs else None,
+                "finish_reason": delta.finish_reason,
+            }
+            if delta.finish_reason is not None:
+                choice["stop_reason"] = delta.stop_reason
+            yield sse(_chunk(ctx, obj, [choice]))
+        if include_usage:
+            yield sse({**_chunk(ctx, obj, []), "usage": usage(ctx, states)})
+    except EngineRequestError as e:
+        yield sse(error_body(e.status, e.message, e.error_type, e.param))
+    yield DONE
+
+
+async def chat_full(ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool) -> dict[str, Any]:
+    states = [ChoiceState() for _ in range(ctx.num_choices)]
+    async for index, delta in deltas:
+        _check_error(delta)
+        states[index].update(delta, delta.text)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(s.text), "tool_calls": []},
+            "logprobs": chat_logprobs(s.logprobs) if want_logprobs else None,
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+        }
+        for i, s in enumerate(states)
+    ]
+    return {**_chunk(ctx, "chat.completion", choices), "usage": usage(ctx, states)}

@@ -1,0 +1,230 @@
+"""One Llama-family decoder: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3.
+
+The variants differ only in flags of ``ModelArchConfig``: q/k/v bias (Qwen2),
+RMSNorm on q and k per head (Qwen3), tied embeddings, GQA ratio, rope scaling.
+Projections are fused as in vLLM (``qkv_proj``, ``gate_up_proj``) and
+``load_weights`` maps HF checkpoint names onto them.
+
+``forward`` runs a flattened varlen batch (prefill chunks and decode tokens mixed)
+and returns the final-normed hidden states; ``compute_logits`` projects only the
+rows that are sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from services.config import ModelArchConfig
+from services.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache
+from services.gpu_worker.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+# (fused param, HF name, shard): HF's separate projections land in slices of the fused ones.
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: type[AttentionBackend], max_positions: int
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
+        )
+        self.attn = attn_backend(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5
+        )
+
+    def shard_range(self, shard: str) -> tuple[int, int]:
+        """(offset, size) of the q, k or v rows inside ``qkv_proj``."""
+        offsets = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
+        return offsets[shard], self.q_size if shard == "q" else self.kv_size
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache, attn_meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: type[AttentionBackend], max_positions: int
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, attn_backend, max_positions)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        attn_meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: type[AttentionBackend], max_positions: int
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, attn_backend, max_positions)
+            for _ in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    ``forward(input_ids[T], positions[T], attn_meta, kv_caches) -> hidden[T, H]``
+    (final-normed); ``compute_logits(hidden[N, H]) -> logits[N, vocab]`` in fp32;
+    ``load_weights`` takes (HF name, tensor) pairs and raises ``ValueError`` on an
+    unknown name or a parameter left unloaded.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        attn_backend: type[AttentionBackend],
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(
+            arch, attn_backend, max_positions or arch.max_position_embeddings
+        )
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            name, shard = hf_name, None
+            for fused, part, shard_id in _STACKED_PARAMS:
+                if f".{part}." in hf_name:
+                    name, shard = hf_name.replace(f".{part}.", f".{fused}."), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {hf_name!r} matches no model parameter")
+            target = param.data
+            if shard is not None:
+                target = target.narrow(0, *self._shard_range(name, shard))
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(f"{name}#{shard}")
+        expected = {f"{n}#{s}" for n, s in self._expected_shards(params)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _shard_range(self, name: str, shard: str | int) -> tuple[int, int]:
+        layer = self.model.layers[int(name.split(".")[2])]
+        if isinstance(shard, str):
+            return layer.self_attn.shard_range(shard)
+        size = layer.mlp.intermediate_size
+        return shard * size, size
+
+    @staticmethod
+    def _expected_shards(params: dict[str, nn.Parameter]) -> Iterable[tuple[str, object]]:
+        for name in params:
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                yield from ((name, s) for s in ("q", "k", "v"))
+            elif name.endswith("gate_up_proj.weight"):
+                yield from ((name, s) for s in (0, 1))
+            else:
+                yield name, None

@@ -1,0 +1,297 @@
+"""The model runner: turns each StepPlan into one forward pass and one sampled token per
+finishing request, over a paged KV cache it owns.
+
+Lifecycle: ``ModelRunner(config, folder)`` loads the weights;
+``determine_num_blocks()`` sizes the KV cache from the memory budget;
+``initialize_kv_cache(num_blocks)`` allocates it; then ``execute(plan)`` per step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.config import EngineConfig, ModelArchConfig
+from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attention_backend
+from services.gpu_worker.input_batch import CachedRequestState, InputBatch
+from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.gpu_worker.sampler import Sampler, SamplerOutput
+from services.protocol import StepPlan, StepResult, TokenLogprobs
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}  # fmt: skip
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _available_ram_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line; set --kv-cache-memory-bytes")
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the persistent batch of one worker rank.
+
+    ``execute(plan)`` follows ``StepPlan``'s contract: drop ``finished_req_ids``, add
+    ``new_requests``, apply ``running`` deltas, compute ``num_scheduled_tokens[i]``
+    tokens of the i-th request of ``new_requests + running`` from its
+    ``num_computed_tokens``, and sample for each request whose scheduled tokens reach
+    the end of its known tokens; the sampled token is appended to the request (the
+    next step computes it). ``arch`` and ``weights`` override reading ``folder``
+    (tests share one dequantised copy of the weights).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        folder: Path | None,
+        *,
+        arch: ModelArchConfig | None = None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.worker.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.worker.num_threads or os.cpu_count() or 1)
+        if arch is None or (weights is None and config.model.load_format != "dummy"):
+            from services.model_loader import iter_weights, load_hf_config
+
+            if folder is None:
+                raise ValueError("ModelRunner needs a model folder or both arch and weights")
+            arch = arch or ModelArchConfig.from_hf_config(load_hf_config(folder))
+            if weights is None and config.model.load_format != "dummy":
+                weights = iter_weights(folder, self.dtype)
+        if weights is None:
+            from services.model_loader import dummy_weights
+
+            weights = dummy_weights(arch, self.dtype, config.model.seed)
+        self.arch = arch
+        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        backend_name = config.worker.attention_backend or (
+            "triton" if self.device.type == "cuda" else "torch"
+        )
+        self.attn_backend = get_attention_backend(backend_name)
+        # Built on the meta device, then materialised once in the target dtype: no
+        # throw-away random init of large models.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(
+                arch, self.attn_backend, max(self.max_model_len, arch.max_position_embeddings)
+            )
+        self.model = model.to(self.dtype).to_empty(device=self.device).eval()
+        self.model.load_weights(weights)
+        self.block_size = config.cache.block_size
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, self.max_model_len, self.block_size, self.device
+        )
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model.seed))
+        self.kv_caches: list[KVCache] = []
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_cache_bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """KV cache blocks that fit the memory budget (``--num-gpu-blocks-override`` wins)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = int(_available_ram_bytes() * cache.cpu_kv_cache_fraction)
+        num_blocks = budget // self.kv_cache_bytes_per_block()
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no KV cache block fits the memory budget of {budget} bytes "
+                f"({self.kv_cache_bytes_per_block()} bytes per block); raise the budget"
+            )
+        return num_blocks
+
+    def _profile_cuda_budget(self) -> int:
+        """gpu_memory_utilization of the device, less the weights and the peak
+        activations of a forward over max_num_batched_tokens."""
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-num_tokens // self.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.initialize_kv_cache(blocks)
+        meta, _, _ = build_attention_metadata(
+            np.array([0]),
+            np.array([num_tokens]),
+            np.arange(blocks, dtype=np.int32)[None, :],
+            self.block_size,
+            self.device,
+        )
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                torch.arange(num_tokens, device=self.device),
+                meta,
+                self.kv_caches,
+            )
+            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        kv_profile = blocks * self.kv_cache_bytes_per_block()
+        peak = torch.cuda.max_memory_allocated(self.device) - kv_profile
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.cache.gpu_memory_utilization) - peak - non_torch
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        a = self.arch
+        shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        self.kv_caches = []
+        for _ in range(a.num_hidden_layers):
+            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((kv[0], kv[1]))
+        self.num_blocks = num_blocks
+
+    # ------------------------------------------------------------------ step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        batch = self.input_batch
+        for req_id in plan.finished_req_ids:
+            batch.remove(req_id)
+        for new in plan.new_requests:
+            batch.add(new)
+        for delta in plan.running:
+            batch.update(delta)
+        if plan.is_empty:
+            return StepResult(step_id=plan.step_id)
+        req_ids = [r.req_id for r in plan.new_requests] + [r.req_id for r in plan.running]
+        if len(req_ids) != len(plan.num_scheduled_tokens):
+            raise ValueError(
+                f"step {plan.step_id}: {len(plan.num_scheduled_tokens)} scheduled counts "
+                f"for {len(req_ids)} requests"
+            )
+        states = [batch.requests[r] for r in req_ids]
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        scheduled = np.array(plan.num_scheduled_tokens, dtype=np.int64)
+        known = np.array([s.num_tokens for s in states], dtype=np.int64)
+        if (scheduled < 1).any() or (computed + scheduled > known).any():
+            raise ValueError(f"step {plan.step_id}: scheduled tokens past a request's known tokens")
+        attn_meta, token_req, positions = build_attention_metadata(
+            computed, scheduled, batch.block_table[rows], self.block_size, self.device
+        )
+        input_ids = torch.from_numpy(batch.token_ids[rows[token_req], positions]).to(self.device)
+
+        for s, n in zip(states, scheduled, strict=True):
+            s.num_computed_tokens += int(n)
+        sampling = np.flatnonzero(computed + scheduled == known)
+        sample_states = [states[i] for i in sampling]
+        last_token = np.cumsum(scheduled)[sampling] - 1
+        with torch.inference_mode():
+            hidden = self.model(
+                input_ids.long(),
+                torch.from_numpy(positions).to(self.device),
+                attn_meta,
+                self.kv_caches,
+            )
+            if not sample_states:
+                return StepResult(step_id=plan.step_id, forward_time_s=time.perf_counter() - start)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
+            md = batch.sampling_metadata(sample_states, logits.shape[1])
+            out = self.sampler(logits, md)
+        sampled = out.sampled_token_ids.cpu().numpy()
+        batch.append_tokens(rows[sampling], sampled, sample_states)
+        return StepResult(
+            step_id=plan.step_id,
+            req_ids=[s.req_id for s in sample_states],
+            sampled_token_ids=sampled.tolist(),
+            logprobs=_to_token_logprobs(out, sample_states),
+            forward_time_s=time.perf_counter() - start,
+        )
+
+
+def build_attention_metadata(
+    computed: np.ndarray,
+    scheduled: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+    """Metadata for requests computing ``scheduled[b]`` tokens after ``computed[b]``, with
+    ``block_table[b]`` their blocks; also each token's request index and position."""
+    seq_lens = computed + scheduled
+    cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
+    np.cumsum(scheduled, out=cu[1:])
+    token_req = np.repeat(np.arange(len(scheduled)), scheduled)
+    positions = computed[token_req] + np.arange(cu[-1]) - cu[token_req]
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    table = np.ascontiguousarray(block_table[:, :max_blocks], dtype=np.int32)
+    slots = table[token_req, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+    seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+    meta = AttentionMetadata(
+        query_start_loc=qsl_cpu.to(device),
+        seq_lens=seq_cpu.to(device),
+        block_table=torch.from_numpy(table).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        max_query_len=int(scheduled.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=seq_cpu,
+    )
+    return meta, token_req, positions
+
+
+def _to_token_logprobs(
+    out: SamplerOutput, states: list[CachedRequestState]
+) -> list[TokenLogprobs | None]:
+    if out.top_token_ids is None:
+        return [None] * len(states)
+    assert out.top_logprobs is not None
+    assert out.sampled_logprobs is not None and out.sampled_ranks is not None
+    top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
+    lps, ranks = out.sampled_logprobs.tolist(), out.sampled_ranks.tolist()
+    sampled = out.sampled_token_ids.tolist()
+    result: list[TokenLogprobs | None] = []
+    for i, s in enumerate(states):
+        n = s.sampling.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        result.append(
+            TokenLogprobs(
+                token_id=sampled[i],
+                logprob=lps[i],
+                rank=ranks[i],
+                top_token_ids=top_ids[i][:n],
+                top_logprobs=top_lps[i][:n],
+            )
+        )
+    return result

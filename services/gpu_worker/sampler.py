@@ -1,0 +1,144 @@
+"""Token sampling, vectorised over the batch, with vLLM v1's semantics.
+
+Order: raw logprobs (if asked) -> penalties -> min_tokens stop masking -> greedy
+argmax | temperature -> min-p -> top-k/top-p -> sample. Sampling uses the
+exponential race ``argmax(probs / q)``, q ~ Exp(1): a seeded request draws q from
+its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of the N rows that sample this step (device tensors).
+
+    ``prompt_token_ids`` / ``output_token_ids`` are [N, L] padded with ``vocab_size``
+    and are set only when some row has a penalty. ``min_tokens_mask`` is
+    (row indices, token ids) whose logits are forced to -inf. ``generators`` maps a
+    row to its request's own generator; the other random rows share the sampler's.
+    """
+
+    temperature: torch.Tensor  # [N] float32; 1.0 on greedy rows
+    greedy: torch.Tensor  # [N] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [N] int64, vocab_size where disabled; None = none set
+    top_p: torch.Tensor | None  # [N] float32; None = none set
+    min_p: torch.Tensor | None  # [N] float32; None = none set
+    generators: dict[int, torch.Generator]
+    presence_penalties: torch.Tensor | None = None  # [N]; all penalties None = none set
+    frequency_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    prompt_token_ids: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    max_num_logprobs: int | None = None  # largest top-N asked; None = no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens [N]; with logprobs, the top-N ids/logprobs [N, K] and the
+    sampled token's logprob and 1-based rank [N], all from the raw model output."""
+
+    sampled_token_ids: torch.Tensor
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    sampled_logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def _bin_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L] token ids padded with vocab_size -> [N, vocab] occurrence counts."""
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.int32, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition over prompt + output (divide positive logits, multiply negative);
+    frequency (times output count) and presence (output seen) subtracted."""
+    assert md.prompt_token_ids is not None and md.output_token_ids is not None
+    assert md.presence_penalties is not None and md.frequency_penalties is not None
+    assert md.repetition_penalties is not None
+    vocab = logits.shape[1]
+    output_counts = _bin_counts(md.output_token_ids, vocab)
+    output_mask = output_counts > 0
+    seen = output_mask | (_bin_counts(md.prompt_token_ids, vocab) > 0)
+    rep = torch.where(seen, md.repetition_penalties[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - md.frequency_penalties[:, None] * output_counts
+    return logits - md.presence_penalties[:, None] * output_mask
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the k largest logits, then the smallest set whose probability reaches p."""
+    if top_k is None and top_p is None:
+        return logits
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = logits_sort.gather(1, (logits.shape[1] - top_k.clamp(1, logits.shape[1]))[:, None])
+        logits_sort.masked_fill_(logits_sort < kth, _NEG_INF)
+    if top_p is not None:
+        cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - top_p[:, None]
+        drop[:, -1] = False  # always keep the most likely token
+        logits_sort.masked_fill_(drop, _NEG_INF)
+    return logits_sort.scatter(1, logits_idx, logits_sort)
+
+
+class Sampler:
+    """Samples one token per row; see the module doc. ``generator`` serves unseeded rows."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        out = SamplerOutput(sampled_token_ids=torch.empty(0))
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+        if md.repetition_penalties is not None:
+            logits = apply_penalties(logits, md)
+        if md.min_tokens_mask is not None:
+            logits = logits.index_put(md.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
+        greedy_tokens = logits.argmax(dim=-1)
+        if md.all_greedy:
+            out.sampled_token_ids = greedy_tokens
+        else:
+            logits = logits / md.temperature[:, None]
+            if md.min_p is not None:
+                logits = apply_min_p(logits, md.min_p)
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+            probs = logits.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            if len(md.generators) < probs.shape[0]:
+                q.exponential_(generator=self.generator)
+            for row, gen in md.generators.items():
+                q[row].exponential_(generator=gen)
+            random_tokens = (probs / q).argmax(dim=-1)
+            out.sampled_token_ids = torch.where(md.greedy, greedy_tokens, random_tokens)
+        if raw_logprobs is not None:
+            assert md.max_num_logprobs is not None
+            top = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+            out.top_token_ids, out.top_logprobs = top.indices, top.values
+            sampled_lp = raw_logprobs.gather(1, out.sampled_token_ids[:, None])
+            out.sampled_logprobs = sampled_lp[:, 0]
+            out.sampled_ranks = (raw_logprobs >= sampled_lp).sum(dim=-1)
+        return out

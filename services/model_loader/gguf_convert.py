@@ -1,0 +1,279 @@
+"""Convert a GGUF file, once, into a Hugging Face folder that the rest of the engine loads.
+
+The folder holds ``config.json``, ``model.safetensors`` (or shards with an index),
+``tokenizer.json`` and ``tokenizer_config.json``. It is built in a temporary sibling directory
+and renamed into place, so a folder that exists is complete, and two processes converting the
+same file at once both end up with one valid folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from safetensors.torch import save_file
+
+from services.model_loader.errors import ModelLoadError
+from services.model_loader.gguf_tensors import (
+    IGNORED_TENSORS,
+    dequantize_tensor,
+    hf_tensor_name,
+    to_torch,
+    unpermute_rotary,
+)
+from services.model_loader.gguf_tokenizer import build_tokenizer_files
+
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SHARD_BYTES = 4 << 30
+_PROGRESS_EVERY = 50
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A memory-mapped reader; a truncated or foreign file becomes a ModelLoadError."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes {magic!r})")
+        return GGUFReader(path, "r")
+    except ModelLoadError:
+        raise
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors...
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelLoadError(f"{path} is corrupt or truncated: {msg}") from None
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key-value field as a plain Python value (arrays as lists)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:
+            continue  # a field we cannot decode is one we do not need
+    return meta
+
+
+def hf_config_from_gguf(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    """HF ``config.json`` contents for the model a GGUF file describes."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    hf_arch, model_type = GGUF_ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    try:
+        heads = int(get("attention.head_count"))
+        kv_heads = int(get("attention.head_count_kv", heads))
+        k_rows = int(tensors["blk.0.attn_k.weight"].shape[1])
+        config: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "vocab_size": int(get("vocab_size") or tensors["token_embd.weight"].shape[1]),
+            "hidden_size": int(get("embedding_length")),
+            "intermediate_size": int(get("feed_forward_length")),
+            "num_hidden_layers": int(get("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            # not always hidden/heads (Qwen3); the k projection's rows always tell it
+            "head_dim": int(get("attention.key_length") or k_rows // kv_heads),
+            "hidden_act": "silu",
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(get("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in tensors,
+            "torch_dtype": "float32",  # quantized tensors are expanded to fp32
+        }
+    except (TypeError, KeyError) as e:
+        missing = e.args[0] if isinstance(e, KeyError) else "a required model key"
+        raise ModelLoadError(
+            f"GGUF file lacks {missing} needed to build the model config"
+        ) from None
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "llama":
+        config["mlp_bias"] = False
+    rope_scaling = _rope_scaling(meta, arch, tensors, config["head_dim"], config["rope_theta"])
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    for hf_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        if (value := meta.get(f"tokenizer.ggml.{gguf_key}")) is not None:
+            config[hf_key] = int(value)
+    eos = [
+        int(v)
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (v := meta.get(f"tokenizer.ggml.{k}")) is not None
+    ]
+    if eos:
+        eos = list(dict.fromkeys(eos))
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return config
+
+
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor], head_dim: int, theta: float
+) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if kind in ("linear", "yarn") and factor:
+        out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if kind == "yarn" and orig:
+            out["original_max_position_embeddings"] = int(orig)
+        return out
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.1+ stores no scaling metadata, only the per-frequency divisors it computed.
+        freqs = dequantize_tensor(tensors["rope_freqs.weight"]).astype(np.float64).reshape(-1)
+        return _llama3_params_from_freqs(freqs, head_dim, theta)
+    return None
+
+
+def _llama3_params_from_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+    """Recover HF's ``llama3`` rope_scaling from llama.cpp's ``rope_freqs`` tensor.
+
+    The divisors depend on factor (the largest divisor) and on low/high frequency factors and
+    the original context, which the file does not store; Meta used the same three values for
+    every Llama 3.x (1, 4, 8192), so we check that they reproduce the tensor exactly.
+    """
+    factor, low, high, orig = float(freqs.max()), 1.0, 4.0, 8192
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (orig / wavelen - low) / (high - low)
+    expected = np.where(
+        wavelen < orig / high,
+        1.0,
+        np.where(wavelen > orig / low, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+    )
+    if expected.shape != freqs.shape or not np.allclose(expected, freqs, rtol=1e-3):
+        raise ModelLoadError(
+            "GGUF rope_freqs tensor does not match Llama-3 rope scaling with the standard "
+            "low/high frequency factors (1, 4) and original context 8192; cannot convert it"
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": orig,
+    }
+
+
+def iter_hf_tensors(
+    reader: GGUFReader, config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, dense tensor) for every model tensor in the file."""
+    permute = config["model_type"] == "llama"
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for t in reader.tensors:
+        if t.name in IGNORED_TENSORS:
+            continue
+        name = hf_tensor_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
+        array = dequantize_tensor(t)
+        if permute and ".attn_q." in t.name:
+            array = unpermute_rotary(array, heads)
+        elif permute and ".attn_k." in t.name:
+            array = unpermute_rotary(array, kv_heads)
+        yield name, to_torch(array, GGMLQuantizationType(t.tensor_type))
+
+
+def _progress(
+    items: Iterable[tuple[str, torch.Tensor]], total: int, label: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        start = time.monotonic()
+        for i, item in enumerate(items, 1):
+            if i % _PROGRESS_EVERY == 0 or i == total:
+                print(
+                    f"{label}: {i}/{total} tensors ({time.monotonic() - start:.1f}s)",
+                    file=sys.stderr,
+                )
+            yield item
+        return
+    yield from tqdm(items, total=total, desc=label, unit="tensor", file=sys.stderr)
+
+
+def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path) -> None:
+    """Write shards of at most SHARD_BYTES; one file is ``model.safetensors``, more get an index."""
+    shards: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        save_file(pending, str(out_dir / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + nbytes > SHARD_BYTES:
+            flush()
+        pending[name] = tensor
+        pending_bytes += nbytes
+    if pending or not shards:
+        flush()
+    if len(shards) == 1:
+        os.replace(out_dir / "shard-00000.tmp", out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(out_dir / f"shard-{i:05d}.tmp", out_dir / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert ``gguf_path`` into the HF folder ``out_dir`` (atomically); returns ``out_dir``."""
+    reader = open_gguf(gguf_path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = hf_config_from_gguf(meta, tensors)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tokenizer_files = build_tokenizer_files(meta, config["max_position_embeddings"])
+        for fname, text in tokenizer_files.items():
+            (tmp / fname).write_text(text, encoding="utf-8")
+        label = f"converting {gguf_path.name}"
+        write_safetensors(_progress(iter_hf_tensors(reader, config), len(tensors), label), tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # another process finished the same conversion first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

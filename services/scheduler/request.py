@@ -1,0 +1,168 @@
+"""A request as the scheduler sees it: tokens, progress through them, status, timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from services.protocol import SamplingParams, TokenizedRequest
+from services.scheduler.block_hash import BlockHash
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is. Every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason: "stop", "length", "abort" or "error"."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+FINISH_STATUS = {reason: status for status, reason in _FINISH_REASONS.items()}
+
+
+class RequestEventType(enum.Enum):
+    """The engine-side request events of vLLM's metrics design (for queue/prefill/decode times)."""
+
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"  # moved from waiting to running (again after a preemption)
+    NEW_TOKENS = "new_tokens"
+    PREEMPTED = "preempted"
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` is how many of ``all_token_ids`` are in the KV
+    cache (or scheduled to be by the step in flight); each step brings it
+    closer to ``num_tokens``. ``block_hashes`` holds the hash of every full
+    block of ``all_token_ids``, extended as tokens are appended once a block
+    hasher is attached (``Scheduler.add_request`` does it). ``events`` are
+    (type, ``time.monotonic()``) pairs for the metrics exporter;
+    ``arrival_time`` is wall-clock time as the api_server stamped it.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = (
+            -1
+        )  # prompt tokens hit in the prefix cache; set when first scheduled
+        self.waiting_reason = "deferred"  # "capacity" once admission was refused for lack of room
+        self.events: list[tuple[RequestEventType, float]] = []
+
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher: Callable[[Request], list[BlockHash]] | None = None
+
+    @classmethod
+    def from_tokenized(cls, msg: TokenizedRequest) -> Request:
+        return cls(
+            msg.req_id,
+            msg.prompt_token_ids,
+            msg.sampling,
+            eos_token_id=msg.eos_token_id,
+            arrival_time=msg.arrival_time or None,
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
+        )
+
+    def set_block_hasher(self, block_hasher: Callable[[Request], list[BlockHash]]) -> None:
+        self._block_hasher = block_hasher
+        self.block_hashes.extend(block_hasher(self))
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def record_event(self, event: RequestEventType, ts: float | None = None) -> None:
+        self.events.append((event, time.monotonic() if ts is None else ts))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """The finished status a request reaches with its latest token, if any.
+
+    EOS (unless ``ignore_eos``) and ``stop_token_ids`` count only once
+    ``min_tokens`` are out, and win over the length limits on the same token.
+    A stop token's id becomes ``stop_reason``.
+    """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if last == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_tokens >= max_model_len or (
+        params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+    ):
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

@@ -1,0 +1,426 @@
+"""Continuous batching: which tokens of which requests each engine step computes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+
+from services.config import CacheConfig, SchedulerConfig
+from services.protocol import (
+    KVCacheEvent,
+    NewRequest,
+    RequestTokens,
+    RunningRequestDelta,
+    StepPlan,
+    StepResult,
+)
+from services.scheduler.block_hash import BlockHasher
+from services.scheduler.capacity import check_kv_capacity
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_cache_metrics import KVCacheMetrics, KVCacheResidency
+from services.scheduler.request import (
+    FINISH_STATUS,
+    Request,
+    RequestEventType,
+    RequestStatus,
+    check_stop,
+)
+from services.scheduler.request_queue import create_request_queue
+from services.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_PREEMPTION_LOG_INTERVAL_S = 10.0
+
+
+class Scheduler:
+    """Owns the requests and the KV cache; turns them into one ``StepPlan`` per step.
+
+    Each step has one token budget (``max_num_batched_tokens``) and at most
+    ``max_num_seqs`` requests run. Running requests come first (decodes, then
+    unfinished prefill chunks), then waiting ones in policy order (FCFS, or
+    lowest (priority, arrival_time) first). A prompt larger than what is left
+    of the budget is chunked (``enable_chunked_prefill``; without it the prompt
+    waits), and no request gets more than ``long_prefill_token_threshold``
+    tokens in one step when that is set. When a running request cannot get a
+    block, the newest running request (priority policy: the lowest priority,
+    then latest) is preempted and recomputed later; a step that preempts
+    admits no waiting request.
+
+    The engine calls ``schedule`` -> run the plan -> ``update_from_output``
+    strictly in turn: a request's next token is only scheduled once the
+    token it sampled has come back. ``max_model_len`` 0 means no length limit.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        *,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len or sys.maxsize
+        if scheduler_config.max_model_len:
+            check_kv_capacity(num_blocks, cache_config.block_size, scheduler_config.max_model_len)
+        metrics = None
+        if cache_config.kv_cache_metrics:
+            metrics = KVCacheMetrics(cache_config.kv_cache_metrics_sample)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            metrics=metrics,
+        )
+        self.block_hasher: BlockHasher | None = None
+        if cache_config.enable_prefix_caching:
+            self.block_hasher = BlockHasher(
+                cache_config.block_size, cache_config.prefix_caching_hash_algo
+            )
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
+        self.running: list[Request] = []
+        # Ids the workers must drop before the next step (dict: an ordered set).
+        self._finished_req_ids: dict[str, None] = {}
+        self._pending_outputs: list[RequestTokens] = []
+        self._finished_requests: list[Request] = []
+        self._next_step_id = 0
+        self.num_preemptions = 0
+        self._last_preemption_log = -float("inf")
+        self._last_step_num_tokens = 0
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ``ValueError`` for a duplicate id or a bad prompt length."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r} has {request.num_prompt_tokens} prompt tokens; "
+                f"it needs between 1 and max_model_len={self.max_model_len}"
+            )
+        if self.block_hasher is not None:
+            hasher = self.block_hasher
+            request.set_block_hasher(
+                lambda r: hasher.hash_blocks(r.all_token_ids, r.cache_salt, r.block_hashes)
+            )
+        request.status = RequestStatus.WAITING
+        request.record_event(RequestEventType.QUEUED)
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self, req_ids: list[str], finish_reason: str = "stop", stop_reason: str | None = None
+    ) -> None:
+        """Finish requests in any state from outside a step, freeing everything.
+
+        "stop": the detokenizer matched a stop string. Idempotent; unknown ids
+        are ignored. Each finish is reported once in the next
+        ``update_from_output``; per the serve-path contract in protocol.py
+        that report says "abort" whatever the reason (for a stop string the
+        detokenizer has already finished the request; the report frees it).
+        """
+        status = FINISH_STATUS[finish_reason]
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove([request])
+            request.stop_reason = stop_reason
+            self._finish(request, status)
+            self._pending_outputs.append(self._output(request, [], "abort"))
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        """Abort requests in any state (waiting, running, preempted); see ``finish_requests``."""
+        self.finish_requests(req_ids, "abort")
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Free a request that is already out of ``running`` and ``waiting``."""
+        if request.status == RequestStatus.RUNNING:
+            self._finished_req_ids[request.req_id] = None
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+        self._finished_requests.append(request)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step. ``num_computed_tokens`` advances here, as if the step ran."""
+        cfg = self.scheduler_config
+        threshold = cfg.long_prefill_token_threshold
+        token_budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # Running requests: decodes first, then unfinished prefill chunks.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in itertools.chain(decodes, prefills):
+            if token_budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new == 0:
+                continue  # its sampled token has not come back yet
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, token_budget)
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self._preempt_one()
+                preempted.append(victim)
+                if victim.req_id in num_scheduled:  # scheduled earlier in this step: undo that
+                    token_budget += num_scheduled.pop(victim.req_id)
+                    del new_block_ids[victim.req_id]
+                    scheduled_running.remove(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # it preempted itself: nothing else fits either
+            scheduled_running.append(request)
+            num_scheduled[request.req_id] = num_new
+            new_block_ids[request.req_id] = [b.block_id for b in new_blocks]
+            token_budget -= num_new
+
+        # Waiting requests, unless this step had to preempt.
+        while not preempted and len(self.waiting) and token_budget > 0:
+            request = self.waiting.peek()
+            if len(self.running) >= cfg.max_num_seqs:
+                request.waiting_reason = "capacity"
+                break
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > token_budget:
+                if not cfg.enable_chunked_prefill:
+                    request.waiting_reason = "deferred"
+                    break
+                num_new = token_budget
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                request.waiting_reason = "capacity"
+                break
+            self.waiting.pop()
+            self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.record_event(RequestEventType.SCHEDULED)
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.req_id] = num_new
+            token_budget -= num_new
+
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            new_requests=[
+                NewRequest(
+                    req_id=r.req_id,
+                    token_ids=list(r.all_token_ids),
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    sampling=r.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(r.req_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                    eos_token_id=r.eos_token_id,
+                )
+                for r in scheduled_new
+            ],
+            running=[
+                RunningRequestDelta(r.req_id, new_block_ids[r.req_id], r.num_computed_tokens)
+                for r in scheduled_running
+            ],
+            num_scheduled_tokens=[num_scheduled[r.req_id] for r in scheduled_new]
+            + [num_scheduled[r.req_id] for r in scheduled_running],
+            finished_req_ids=list(self._finished_req_ids),
+        )
+        self._finished_req_ids.clear()
+        self._next_step_id += 1
+        for request in itertools.chain(scheduled_new, scheduled_running):
+            request.num_computed_tokens += num_scheduled[request.req_id]
+        self._last_step_num_tokens = plan.total_num_scheduled_tokens
+        return plan
+
+    def _preempt_one(self) -> Request:
+        """Preempt the newest (priority policy: lowest priority, then latest) running request."""
+        if self.scheduler_config.scheduling_policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+        else:
+            victim = self.running.pop()
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.waiting_reason = "capacity"
+        victim.record_event(RequestEventType.PREEMPTED)
+        self.waiting.prepend(victim)
+        self._finished_req_ids[victim.req_id] = None  # the workers drop its stale state
+        self.num_preemptions += 1
+        now = time.monotonic()
+        if now - self._last_preemption_log >= _PREEMPTION_LOG_INTERVAL_S:
+            self._last_preemption_log = now
+            logger.warning(
+                "Sequence group %s is preempted by PreemptionMode.RECOMPUTE mode because there "
+                "is not enough KV cache space. This can affect the end-to-end performance. "
+                "Increase gpu_memory_utilization or tensor_parallel_size to provide more KV "
+                "cache memory. total_cumulative_preemption_cnt=%d",
+                victim.req_id,
+                self.num_preemptions,
+            )
+        return victim
+
+    def update_from_output(self, plan: StepPlan, result: StepResult | None) -> list[RequestTokens]:
+        """Take in a step's sampled tokens; return what each request produced or how it ended.
+
+        Blocks filled by the step enter the prefix cache; finished requests
+        release theirs. Finishes from ``abort_requests`` / ``finish_requests``
+        since the last call are reported here too, each exactly once. An empty
+        plan needs no result (None) and only flushes those.
+        """
+        if result is None:
+            if not plan.is_empty:
+                raise ValueError(f"step {plan.step_id} scheduled tokens but got no result")
+            result = StepResult(plan.step_id)
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} given for plan {plan.step_id}")
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sampled = {req_id: i for i, req_id in enumerate(result.req_ids)}
+        now = time.monotonic()
+        any_finished = False
+        scheduled_ids = itertools.chain(
+            (r.req_id for r in plan.new_requests), (r.req_id for r in plan.running)
+        )
+        for req_id in scheduled_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            self.kv_cache_manager.cache_blocks(request)
+            i = sampled.get(req_id)
+            if request.num_computed_tokens < request.num_tokens:
+                if i is not None:
+                    logger.warning(
+                        "step %d: ignoring a token sampled mid-prefill for %s", plan.step_id, req_id
+                    )
+                continue
+            if i is None:
+                logger.error("step %d: the worker sampled no token for %s", plan.step_id, req_id)
+                status: RequestStatus | None = RequestStatus.FINISHED_ERROR
+                new_token_ids: list[int] = []
+            else:
+                new_token_ids = [result.sampled_token_ids[i]]
+                request.append_output_token_ids(new_token_ids)
+                request.record_event(RequestEventType.NEW_TOKENS, now)
+                status = check_stop(request, self.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+                any_finished = True
+            logprobs = result.logprobs[i] if i is not None and i < len(result.logprobs) else None
+            outputs.append(
+                self._output(
+                    request,
+                    new_token_ids,
+                    request.finish_reason,
+                    [logprobs] if logprobs is not None else [],
+                )
+            )
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    @staticmethod
+    def _output(
+        request: Request, new_token_ids: list[int], finish_reason: str | None, logprobs=()
+    ) -> RequestTokens:
+        return RequestTokens(
+            req_id=request.req_id,
+            new_token_ids=new_token_ids,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason if finish_reason is not None else None,
+            logprobs=list(logprobs),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    # ------------------------------------------------------------------ state out
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Finishes the workers or the detokenizer have not been told of yet: worth a step."""
+        return bool(self._finished_req_ids or self._pending_outputs)
+
+    def take_finished_requests(self) -> list[Request]:
+        """Requests finished since the last call (any reason), for request-level metrics."""
+        finished, self._finished_requests = self._finished_requests, []
+        return finished
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.kv_cache_manager.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's /reset_prefix_cache); False while blocks are in use."""
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    def take_kv_cache_residency(self) -> KVCacheResidency | None:
+        """Sampled block residency since the last call; None unless ``kv_cache_metrics``."""
+        metrics = self.kv_cache_manager.block_pool.metrics
+        return metrics.take() if metrics is not None else None
+
+    def get_stats(self) -> SchedulerStats:
+        by_reason = {"capacity": 0, "deferred": 0}
+        for request in self.waiting:
+            by_reason[request.waiting_reason] += 1
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_waiting_by_reason=by_reason,
+            kv_cache_usage=pool.get_usage(),
+            prefix_cache_stats=pool.prefix_cache_stats,
+            num_preemptions=self.num_preemptions,
+            step_num_scheduled_tokens=self._last_step_num_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError`` unless requests, queues and the KV cache agree."""
+        self.kv_cache_manager.check_integrity()
+        problems: list[str] = []
+        running_ids = [r.req_id for r in self.running]
+        waiting_ids = [r.req_id for r in self.waiting]
+        if sorted(running_ids + waiting_ids) != sorted(self.requests):
+            problems.append("running + waiting != all requests")
+        if len(self.running) > self.scheduler_config.max_num_seqs:
+            problems.append(f"{len(self.running)} running > max_num_seqs")
+        if set(self.kv_cache_manager.req_to_blocks) != set(running_ids):
+            problems.append("block tables are not exactly those of the running requests")
+        block_size = self.cache_config.block_size
+        for r in self.running:
+            table = self.kv_cache_manager.req_to_blocks.get(r.req_id, [])
+            if r.status != RequestStatus.RUNNING or not (
+                r.num_computed_tokens <= len(table) * block_size
+                and r.num_computed_tokens <= r.num_tokens
+            ):
+                problems.append(f"{r}: bad running state ({len(table)} blocks)")
+        for r in self.waiting:
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                problems.append(f"{r}: bad waiting state")
+            if r.num_computed_tokens != 0:
+                problems.append(f"{r}: waiting with computed tokens")
+        if problems:
+            raise RuntimeError("scheduler integrity: " + "; ".join(problems))

@@ -1,0 +1,149 @@
+"""The scheduler process: the engine core's busy loop.
+
+One thread owns the input socket and turns arriving messages (new requests,
+aborts, stop-string finishes) into a queue; the busy loop drains that queue
+each step and blocks on it only when there is no work at all. Each step:
+schedule -> publish the StepPlan to every worker rank -> wait for rank 0's
+StepResult -> update -> push the step's tokens to the detokenizer in one batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from services.config import ServeConfig
+from services.ipc import PubSocket, PullSocket, PushSocket, XPubSocket, report_ready
+from services.logging_utils import init_logger
+from services.protocol import (
+    Abort,
+    EngineCoreInput,
+    FinishRequest,
+    KVEventBatch,
+    RequestTokens,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+    TokenizedRequest,
+)
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+
+logger = init_logger(__name__)
+
+# Aborts can overtake their request (different senders); remember recent ones.
+_EARLY_ABORTS_KEPT = 4096
+
+
+class EngineCore:
+    """The busy loop around a ``Scheduler``; its sockets are owned by the calling thread."""
+
+    def __init__(self, config: ServeConfig, num_worker_ranks: int = 1) -> None:
+        ep = config.endpoints
+        self.scheduler = Scheduler(
+            config.engine.scheduler,
+            config.engine.cache,
+            config.num_blocks,
+            enable_kv_cache_events=ep.kv_events is not None,
+        )
+        self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
+        self._early_aborts: dict[str, None] = {}
+        self._plans = XPubSocket[StepPlan](ep.step_plans, StepPlan, bind=True)
+        self._results = PullSocket[StepResult](ep.step_results, StepResult, bind=True)
+        self._detok = PushSocket[TokenBatch](ep.detok_tokens, TokenBatch)
+        self._kv_events = (
+            PubSocket[KVEventBatch](ep.kv_events, KVEventBatch, bind=True) if ep.kv_events else None
+        )
+        self._kv_event_seq = 0
+        self._input_endpoint = ep.engine_core
+        self._bound = threading.Event()
+        self._num_worker_ranks = num_worker_ranks
+        threading.Thread(target=self._input_loop, name="scheduler-input", daemon=True).start()
+
+    def _input_loop(self) -> None:
+        sock = PullSocket[EngineCoreInput](self._input_endpoint, EngineCoreInput, bind=True)
+        self._bound.set()
+        while True:
+            msg = sock.recv()
+            if msg is not None:
+                self._inputs.put(msg)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Block until the input socket is bound and every worker rank subscribed to plans."""
+        if not self._bound.wait(timeout_s):
+            raise RuntimeError("the scheduler's input socket did not bind")
+        if not self._plans.wait_for_subscribers(self._num_worker_ranks, timeout_s):
+            raise RuntimeError("the worker ranks did not subscribe to step plans in time")
+
+    # ------------------------------------------------------------------ loop
+
+    def run_forever(self) -> None:
+        sched = self.scheduler
+        while True:
+            idle = not sched.has_unfinished_requests() and not sched.has_finished_requests()
+            self._handle(self._inputs.get() if idle else None)
+            while True:
+                try:
+                    self._handle(self._inputs.get_nowait())
+                except queue.Empty:
+                    break
+            self.step()
+
+    def _handle(self, msg: EngineCoreInput | None) -> None:
+        sched = self.scheduler
+        if msg is None:
+            return
+        if isinstance(msg, TokenizedRequest):
+            if msg.req_id in self._early_aborts:
+                # Aborted before it arrived: report it finished, never run it.
+                del self._early_aborts[msg.req_id]
+                self._detok.send(TokenBatch([RequestTokens(msg.req_id, [], "abort")]))
+                return
+            try:
+                sched.add_request(Request.from_tokenized(msg))
+            except ValueError as e:
+                logger.warning("rejected request %s: %s", msg.req_id, e)
+                self._detok.send(TokenBatch([RequestTokens(msg.req_id, [], "error")]))
+        elif isinstance(msg, Abort):
+            unknown = [r for r in msg.req_ids if r not in sched.requests]
+            sched.abort_requests(msg.req_ids)
+            for req_id in unknown:
+                self._early_aborts[req_id] = None
+            while len(self._early_aborts) > _EARLY_ABORTS_KEPT:
+                self._early_aborts.pop(next(iter(self._early_aborts)))
+        elif isinstance(msg, FinishRequest):
+            sched.finish_requests([msg.req_id], msg.finish_reason, msg.stop_reason)
+
+    def step(self) -> None:
+        """One engine step; a plan with nothing to compute still tells the workers what finished."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        if plan.is_empty and not plan.finished_req_ids:
+            result = StepResult(plan.step_id)
+        else:
+            self._plans.send(plan)
+            result = self._wait_result(plan.step_id)
+        items = sched.update_from_output(plan, result)
+        if items:
+            self._detok.send(TokenBatch(items))
+        if self._kv_events is not None:
+            events = sched.take_events()
+            if events:
+                self._kv_events.send(KVEventBatch(time.time(), events, self._kv_event_seq))
+                self._kv_event_seq += 1
+
+    def _wait_result(self, step_id: int) -> StepResult:
+        while True:
+            result = self._results.recv()
+            if result is not None and result.step_id == step_id:
+                return result
+            logger.error("dropping a stale step result (%s, expected %d)", result, step_id)
+
+
+def run_scheduler(config: ServeConfig, control_endpoint: str) -> None:
+    """Process entry point: bind, wait for the workers, report READY, loop forever."""
+    core = EngineCore(config)
+    core.wait_ready()
+    report_ready(control_endpoint, "scheduler")
+    core.run_forever()

@@ -1,0 +1,164 @@
+"""Turn validated API requests into token ids, or into a user-facing error.
+
+Pure logic, no sockets, so it is tested directly; ``service.py`` runs it in a loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import msgspec
+
+from services.model_loader import TokenizerInfo
+from services.protocol import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    GenerateRequest,
+    RequestError,
+    RequestOutputSpec,
+    TokenizedRequest,
+    TokenizeRequest,
+    TokenizeResult,
+)
+from services.tokenizer.chat_template import ChatTemplateError, render_chat
+
+# vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: decoding context for the first output token.
+_PROMPT_TAIL = 5
+
+
+class PromptError(ValueError):
+    """A request the tokenizer rejects; ``param`` names the offending request field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestProcessor:
+    """Chat template, tokenization and length checks for one model.
+
+    Contract: ``process`` returns either the scheduler's ``TokenizedRequest``
+    plus the detokenizer's ``RequestOutputSpec`` for it (with
+    ``sampling.max_tokens`` filled in), or a ``RequestError`` (status 400) with
+    vLLM's wording. It never raises for user input.
+    """
+
+    def __init__(self, tokenizer: TokenizerInfo, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def render(
+        self,
+        messages: list[dict[str, object]],
+        template: str | None,
+        add_generation_prompt: bool,
+        kwargs: dict[str, object],
+    ) -> str:
+        template = template or self.tokenizer.chat_template
+        if not template:
+            raise PromptError(
+                "As of transformers v4.44, default chat template is no longer allowed, so you "
+                "must provide a chat template if the tokenizer does not define one.",
+                "chat_template",
+            )
+        try:
+            return render_chat(
+                template,
+                messages,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.tokenizer.bos_token,
+                eos_token=self.tokenizer.eos_token,
+                **cast(dict[str, Any], kwargs),
+            )
+        except ChatTemplateError as e:
+            raise PromptError(str(e), "messages") from None
+
+    def prompt_ids(self, req: GenerateRequest | TokenizeRequest) -> tuple[list[int], str | None]:
+        """Token ids of the request's prompt, and its text where there is one."""
+        if req.messages is not None:
+            template = req.chat_template if isinstance(req, GenerateRequest) else None
+            text = self.render(
+                req.messages, template, req.add_generation_prompt, req.chat_template_kwargs
+            )
+            return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text
+        if req.prompt is not None:
+            return self.tokenizer.encode(
+                req.prompt, add_special_tokens=req.add_special_tokens
+            ), req.prompt
+        ids = list(req.prompt_token_ids or []) if isinstance(req, GenerateRequest) else []
+        bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"Token id {bad} is out of vocabulary", "prompt")
+        return ids, None
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The effective max_tokens, or PromptError with vLLM's message."""
+        n, limit = num_prompt_tokens, self.max_model_len
+        if n == 0:
+            raise PromptError("The decoder prompt cannot be empty", "prompt")
+        if max_tokens is None:
+            if n >= limit:
+                raise PromptError(
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"request has {n} input tokens. Please reduce the length of the input messages.",
+                    "messages",
+                )
+            return limit - n
+        if n + max_tokens > limit:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def process(
+        self, req: GenerateRequest
+    ) -> tuple[TokenizedRequest, RequestOutputSpec] | RequestError:
+        try:
+            ids, text = self.prompt_ids(req)
+            max_tokens = self.check_length(len(ids), req.sampling.max_tokens)
+        except PromptError as e:
+            return RequestError(req.req_id, 400, str(e), param=e.param)
+        sampling = msgspec.structs.replace(req.sampling, max_tokens=max_tokens)
+        if req.echo and text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        tokenized = TokenizedRequest(
+            req_id=req.req_id,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        spec = RequestOutputSpec(
+            req_id=req.req_id,
+            sampling=sampling,
+            num_prompt_tokens=len(ids),
+            prompt_tail_ids=ids[-_PROMPT_TAIL:],
+            prompt_text=text if req.echo else None,
+        )
+        return tokenized, spec
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResult | RequestError:
+        try:
+            ids, _ = self.prompt_ids(req)
+        except PromptError as e:
+            return RequestError(req.req_id, 400, str(e), param=e.param)
+        strs = None
+        if req.return_token_strs:
+            strs = [self.tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
+        return TokenizeResult(req.req_id, ids, self.max_model_len, strs)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResult | RequestError:
+        bad = next((i for i in req.token_ids if not 0 <= i < self._vocab_size), None)
+        if bad is not None:
+            return RequestError(
+                req.req_id, 400, f"Token id {bad} is out of vocabulary", param="tokens"
+            )
+        return DetokenizeResult(
+            req.req_id, self.tokenizer.decode(req.token_ids, skip_special_tokens=False)
+        )

@@ -1,0 +1,114 @@
+"""The tokenizer process: api_server requests in, token ids out to the scheduler.
+
+Several tokenizer processes may connect to the api_server's request endpoint;
+ZeroMQ hands each request to one of them (round robin). A rejected request's
+error goes straight back to the api_server; an accepted one first registers
+its output spec with the detokenizer, then goes to the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from services.config import ServeConfig
+from services.ipc import PullSocket, PushSocket, report_ready
+from services.protocol import (
+    ApiServerInput,
+    DetokenizeRequest,
+    EngineCoreInput,
+    GenerateRequest,
+    RequestError,
+    RequestOutputSpec,
+    TokenizeRequest,
+    TokenizerInput,
+)
+from services.tokenizer.processor import RequestProcessor
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how often an idle loop checks its stop event
+
+
+@dataclass(frozen=True)
+class TokenizerEndpoints:
+    """Where the tokenizer connects (every endpoint is bound by its owner)."""
+
+    requests: str  # api_server PUSH -> here (TokenizerInput)
+    engine_core: str  # -> scheduler PULL (EngineCoreInput)
+    detokenizer_specs: str  # -> detokenizer PULL (RequestOutputSpec)
+    api_server: str  # -> api_server PULL (ApiServerInput)
+
+
+def serve_tokenizer(
+    processor: RequestProcessor,
+    endpoints: TokenizerEndpoints,
+    stop_event: threading.Event | None = None,
+) -> None:
+    """Run the tokenizer loop until ``stop_event`` is set (forever without one)."""
+    stop_event = stop_event or threading.Event()
+    requests = PullSocket[TokenizerInput](endpoints.requests, TokenizerInput)
+    engine = PushSocket[EngineCoreInput](endpoints.engine_core, EngineCoreInput)
+    specs = PushSocket[RequestOutputSpec](endpoints.detokenizer_specs, RequestOutputSpec)
+    api = PushSocket[ApiServerInput](endpoints.api_server, ApiServerInput)
+    try:
+        while not stop_event.is_set():
+            msg = requests.recv(timeout_ms=_POLL_MS)
+            if msg is None:
+                continue
+            try:
+                if isinstance(msg, GenerateRequest):
+                    out = processor.process(msg)
+                    if isinstance(out, RequestError):
+                        api.send(out)
+                    else:
+                        # The spec goes first so the detokenizer usually knows the
+                        # request before its first tokens (it buffers them otherwise).
+                        specs.send(out[1])
+                        engine.send(out[0])
+                elif isinstance(msg, TokenizeRequest):
+                    api.send(processor.tokenize(msg))
+                elif isinstance(msg, DetokenizeRequest):
+                    api.send(processor.detokenize(msg))
+            except Exception as e:  # one bad request must not take the process down
+                logger.exception("tokenizer failed on request %s", msg.req_id)
+                api.send(
+                    RequestError(msg.req_id, 500, f"tokenizer error: {e}", "InternalServerError")
+                )
+    finally:
+        for sock in (requests, engine, specs, api):
+            sock.close()
+
+
+def run_tokenizer(
+    model: str | None,
+    max_model_len: int,
+    endpoints: TokenizerEndpoints,
+    *,
+    load_format: str = "auto",
+    stop_event: threading.Event | None = None,
+) -> None:
+    """Process entry point: load the model's tokenizer, then serve."""
+    from services.tokenizer.loader import load_serving_tokenizer
+
+    processor = RequestProcessor(load_serving_tokenizer(model, load_format), max_model_len)
+    serve_tokenizer(processor, endpoints, stop_event)
+
+
+def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
+    """Child-process entry point: load the tokenizer, report READY, serve."""
+    from services.tokenizer.loader import load_serving_tokenizer
+
+    ep = config.endpoints
+    endpoints = TokenizerEndpoints(
+        requests=ep.tokenizer_requests,
+        engine_core=ep.engine_core,
+        detokenizer_specs=ep.detok_specs,
+        api_server=ep.api_outputs,
+    )
+    processor = RequestProcessor(
+        load_serving_tokenizer(config.model_folder), config.engine.scheduler.max_model_len
+    )
+    report_ready(control_endpoint, "tokenizer")
+    serve_tokenizer(processor, endpoints)
