@@ -33,5 +33,9 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.forward
 	$(BIN)/python -m bench.offline
 
+# On a machine with an NVIDIA GPU: kernel tests on CUDA, then kernel and 8B-decode timings.
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check --out bench/out/gpu_check.json
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -38,7 +38,10 @@ def _timed(fn, device: torch.device, min_time: float = 1.0, min_iters: int = 3) 
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (
+        torch.randn(n, n, device=device, dtype=dtype),
+        torch.randn(n, n, device=device, dtype=dtype),
+    )
     return 2 * n**3 / _timed(lambda: a @ b, device) / 1e9
 
 
@@ -99,10 +102,14 @@ def main() -> None:
     runner = ModelRunner(config, folder)
     runner.initialize_kv_cache(1)
     device = runner.device
-    base = matmul_gflops(device, runner.dtype)
+    base = matmul_gflops(device, torch.float32)
     print(f"device={device} dtype={runner.dtype} threads={torch.get_num_threads()} "
           f"attention={runner.attn_backend.name}")  # fmt: skip
-    print(f"plain {runner.dtype} 2048^3 matmul: {base:8.1f} GFLOP/s")
+    print(f"plain torch.float32 2048^3 matmul: {base:8.1f} GFLOP/s")
+    if runner.dtype != torch.float32:
+        print(
+            f"plain {runner.dtype} 2048^3 matmul: {matmul_gflops(device, runner.dtype):8.1f} GFLOP/s"
+        )
     for batch in (1, 16, 64):
         q_lens, ctx = np.ones(batch, dtype=np.int64), np.full(batch, args.context, dtype=np.int64)
         sec, flops = bench_step(runner, q_lens, ctx)

@@ -9,13 +9,14 @@ position up to and including its own (causal within the new tokens).
 
 Tiling. A program owns one *q-block* of one sequence and one KV head. A q-block is
 ``BLOCK_Q`` consecutive new tokens times the ``G = num_q_heads // num_kv_heads`` query
-heads that share that KV head, packed into the ``BLOCK_M = BLOCK_Q * G`` rows of one tile
-(row ``m`` is token ``m // G``, head ``m % G``; rows past ``BLOCK_Q * G`` are masked when
-``G`` does not divide ``BLOCK_M``). Each K/V tile is therefore loaded once per KV head and
+heads that share that KV head, packed into the rows of one ``BLOCK_M``-row tile
+(``BLOCK_M`` a power of two, 16 for decode batches and 64 otherwise, at least ``G``;
+``BLOCK_Q = BLOCK_M // G``; row ``m`` is token ``m // G``, head ``m % G``; the rows past
+``BLOCK_Q * G`` are masked when ``G`` does not divide ``BLOCK_M``). Each K/V tile is therefore loaded once per KV head and
 used by all of its query heads, which is what makes GQA decode cheap: a decode step is
 bound by reading K/V, not by the matmuls. The program walks the context in tiles of
 ``TILE_SIZE`` positions, independent of the page size: each position looks up its own
-page, so any power-of-two block size works. Scores are computed in the log2 domain
+page, so any block size works (the engine uses powers of two). Scores are computed in the log2 domain
 (``scale * log2(e)`` folded in) and accumulated with an online softmax in fp32; the loop
 stops at the last position the q-block's final token can see, so causal prefill skips
 the upper triangle. Sequences are found without a host sync: sequence ``s``'s q-blocks
@@ -302,7 +303,6 @@ def paged_attention(
     _check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
     _check(key_cache.shape[3] == head_dim, f"cache head_dim {key_cache.shape[3]} != {head_dim}")
     _check(head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} unsupported")
-    _check(block_size >= 8 and block_size & (block_size - 1) == 0, f"block size {block_size}")
     _check(num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads")
     _check(query_start_loc.shape[0] == num_seqs + 1, "query_start_loc must have B + 1 entries")
     _check(block_table.shape[0] == num_seqs, "block_table must have B rows")
@@ -310,7 +310,7 @@ def paged_attention(
         _check(t.stride(-1) == 1, f"{name} must be contiguous in head_dim")
     _check(block_table.stride(1) == 1, "block_table rows must be contiguous")
     if out is None:
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)  # contiguous even when query is a view
     _check(out.shape == query.shape and out.stride(-1) == 1, "out must be shaped like query")
     if num_tokens == 0 or num_seqs == 0:
         return out

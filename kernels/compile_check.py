@@ -58,17 +58,14 @@ def _source(fn: Any, args: tuple, constexprs: dict) -> ASTSource:
 
 def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
     """Run the wrappers on CPU tensors with the launches captured."""
-    captures = {
-        name: _Capture(getattr(mod, name))
-        for mod, name in [
-            (attention, "_paged_attention_kernel"),
-            (attention, "_reduce_splits_kernel"),
-            (kv_cache, "_reshape_and_cache_kernel"),
-        ]
-    }
-    originals = {name: cap.fn for name, cap in captures.items()}
-    for name, cap in captures.items():
-        setattr(kv_cache if name.startswith("_reshape") else attention, name, cap)
+    kernels = [
+        (attention, "_paged_attention_kernel"),
+        (attention, "_reduce_splits_kernel"),
+        (kv_cache, "_reshape_and_cache_kernel"),
+    ]
+    captures = [(mod, name, _Capture(getattr(mod, name))) for mod, name in kernels]
+    for mod, name, cap in captures:
+        setattr(mod, name, cap)
     try:
         # (dtype, q heads, kv heads, head_dim, block_size, query lens, num_splits)
         for dtype, hq, hkv, d, bs, q_lens, splits in [
@@ -90,13 +87,9 @@ def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
                 kv, kv, cache, cache, torch.zeros(sum(q_lens), dtype=torch.int64)
             )
     finally:
-        for name, fn in originals.items():
-            setattr(kv_cache if name.startswith("_reshape") else attention, name, fn)
-    return [
-        (name, cap.fn, args, kwargs)
-        for name, cap in captures.items()
-        for args, kwargs in cap.launches
-    ]
+        for mod, name, cap in captures:
+            setattr(mod, name, cap.fn)
+    return [(name, cap.fn, a, kw) for _, name, cap in captures for a, kw in cap.launches]
 
 
 def main(argv: list[str] | None = None) -> int:

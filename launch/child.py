@@ -10,6 +10,7 @@ exits 2; the launcher then shuts the server down and reports it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -28,9 +29,12 @@ logger = init_logger(__name__)
 
 def _threads_for_helper_process() -> None:
     """Tokenizer, detokenizer, scheduler and api_server stay lean: the worker gets the cores."""
-    import torch
-
-    torch.set_num_threads(1)
+    # Through the environment, not torch.set_num_threads: most helpers never
+    # import torch, and importing it only to set threads costs seconds of CPU
+    # per process at start-up.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def _run_api_server(config: ServeConfig, control: str) -> None:
@@ -58,11 +62,20 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
         )
     )
     # The launcher, not uvicorn, decides when to stop: SIGTERM starts the drain.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # uvicorn >= 0.29 takes SIGINT/SIGTERM in ``capture_signals`` (older ones in
+    # ``install_signal_handlers``); either would replace our handlers and make
+    # SIGTERM cut in-flight streams after ``timeout_graceful_shutdown``.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
 
     async def drain() -> None:
+        if frontend.draining:
+            return  # a second signal: the first drain is running
         frontend.draining = True  # new requests get 503 from here on
         deadline = asyncio.get_running_loop().time() + config.shutdown_timeout
+        # A request admitted just before registers with the frontend a few loop
+        # turns later (its handler's task): give it that time to be counted.
+        await asyncio.sleep(0.2)
         while frontend.num_running and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         if frontend.num_running:

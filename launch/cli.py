@@ -121,6 +121,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events-endpoint", default=None,
                    help="publish KV cache events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557)")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between the engine's stats log lines (default 10)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats log line and no engine metrics (vllm:*) per step")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 
@@ -135,11 +139,30 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from bench.serve import add_cli_args
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (vllm bench serve's flags)",
+        description="Send a workload to a running server; print vLLM's result table, write JSON and PNG plots.",
+    )
+    add_cli_args(p)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from bench.serve import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actorserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -100,9 +100,12 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 child.popen.kill()
                 child.popen.wait()
+        # Close once: a second stop_all must not close whatever reused the numbers.
         for fd in (self._death_r, self._death_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._death_r = self._death_w = -1
 
 
 def watch_parent() -> None:

@@ -1,10 +1,11 @@
 """``actorserve serve``: start every process of one server, supervise them, shut down cleanly.
 
-Start-up order follows what each process needs: the worker first (it measures
-the KV capacity), then the scheduler (which sizes its block pool from it), the
-detokenizer and tokenizers, and last the api_server, so that the port opens
-only when the engine behind it can serve. Each child reports READY on the
-control socket.
+Start-up order follows what each process needs: the worker (it measures the
+KV capacity) together with the detokenizer and tokenizers (they need nothing
+from it, and their start-up hides behind the model load), then the scheduler
+(which sizes its block pool from the worker's READY), and last the api_server,
+so that the port opens only when the engine behind it can serve. Each child
+reports READY on the control socket.
 
 Supervision: if any child dies, the api_server is told (every in-flight
 request ends with an error, ``/health`` turns 503), the rest are stopped and
@@ -27,6 +28,7 @@ from launch.process import Child, ProcessGroup
 from services.config import ConfigError, Endpoints, EngineConfig, ModelArchConfig, ServeConfig
 from services.ipc import IpcDir, PullSocket, PushSocket
 from services.logging_utils import init_logger
+from services.metrics.registry import create_multiproc_dir, remove_multiproc_dir
 from services.model_loader import load_hf_config, prepare_model
 from services.protocol import ApiServerInput, EngineDead, Ready
 
@@ -57,6 +59,7 @@ class Launcher:
         self.control = PullSocket[Ready](config.endpoints.control, Ready, bind=True)
         self._env = {CONTROL_ENV: config.endpoints.control}
         self._stop_requested = False
+        self._ready: list[Ready] = []  # READYs received, not yet waited for
 
     def _start(self, role: str, *extra: str) -> Child:
         return self.group.start(
@@ -64,33 +67,40 @@ class Launcher:
         )
 
     def _wait_ready(self, expected: Counter[str], timeout_s: float) -> list[Ready]:
+        """Wait for READY from the ``expected`` roles; other roles' READYs wait for a later call."""
         got: list[Ready] = []
         deadline = time.monotonic() + timeout_s
-        while sum(expected.values()):
+        while True:
+            for msg in [m for m in self._ready if expected[m.role] > 0]:
+                self._ready.remove(msg)
+                expected[msg.role] -= 1
+                got.append(msg)
+            if not sum(expected.values()):
+                return got
+            # A stop request first: Ctrl-C also reaches children still starting
+            # (same process group), and their exit is then not a start-up failure.
+            if self._stop_requested:
+                raise KeyboardInterrupt
             dead = self.group.first_dead()
             if dead is not None:
                 raise StartupError(
                     f"the {dead.name} process exited with code {dead.popen.returncode} "
                     "during start-up (its error is above)"
                 )
-            if self._stop_requested:
-                raise KeyboardInterrupt
             if time.monotonic() > deadline:
                 raise StartupError(f"timed out waiting for {dict(+expected)} to start")
             msg = self.control.recv(timeout_ms=_POLL_MS)
-            if msg is not None and expected[msg.role] > 0:
-                expected[msg.role] -= 1
-                got.append(msg)
-        return got
+            if msg is not None:
+                self._ready.append(msg)
 
     def start(self) -> None:
         self._start("worker", "0")
-        (worker,) = self._wait_ready(Counter(worker=1), timeout_s=900)
-        self.config.num_blocks = worker.num_blocks
-        self._start("scheduler")
         self._start("detokenizer")
         for _ in range(self.config.tokenizer_workers):
             self._start("tokenizer")
+        (worker,) = self._wait_ready(Counter(worker=1), timeout_s=900)
+        self.config.num_blocks = worker.num_blocks
+        self._start("scheduler")
         self._wait_ready(
             Counter(scheduler=1, detokenizer=1, tokenizer=self.config.tokenizer_workers), 300
         )
@@ -120,14 +130,26 @@ class Launcher:
             time.sleep(0.05)
         api.expected_exit = True
         self.group.stop_all()
+        # A clean drain means every child exited 0 (none crashed nor needed SIGKILL).
+        unclean = [
+            f"{c.name} ({c.popen.returncode})"
+            for c in self.group.children
+            if c.popen.returncode != 0
+        ]
+        if unclean:
+            logger.error("processes that did not exit cleanly: %s", ", ".join(unclean))
+            return 1
         return 0
 
     def _on_child_death(self, dead: Child, api: Child) -> int:
         reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
         logger.error("%s; shutting the server down", reason)
         if dead is not api and api.popen.poll() is None:
-            with PushSocket[ApiServerInput](self.config.endpoints.api_outputs, ApiServerInput) as s:
-                s.send(EngineDead(f"The engine stopped: {reason}."))
+            s = PushSocket[ApiServerInput](self.config.endpoints.api_outputs, ApiServerInput)
+            s.send(EngineDead(f"The engine stopped: {reason}."))
+            # Our sockets close with linger 0, which would drop this message if
+            # the connection is not up yet: wait for it to leave instead.
+            s.socket.close(linger=2000)
             time.sleep(1.0)  # let in-flight requests receive their error
         self.group.stop_all()
         return 1
@@ -157,12 +179,17 @@ def run_server(args: object) -> int:
         max_num_queued_reqs=a.get("max_num_queued_reqs"),
         tokenizer_workers=a["tokenizer_workers"],
         log_level=a["uvicorn_log_level"],
+        log_stats_interval=a.get("log_stats_interval") or 10.0,
+        disable_log_stats=bool(a.get("disable_log_stats")),
     )
     if config.tokenizer_workers < 1:
         raise ConfigError("--tokenizer-workers must be at least 1")
+    if config.log_stats_interval <= 0:
+        raise ConfigError("--log-stats-interval must be positive")
     launcher = Launcher(config, ipc)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     signal.signal(signal.SIGINT, launcher.request_stop)
+    metrics_dir = create_multiproc_dir()  # before any child starts: they inherit it
     try:
         launcher.start()
         print(
@@ -181,3 +208,4 @@ def run_server(args: object) -> int:
         launcher.group.stop_all()
         launcher.control.close()
         ipc.cleanup()
+        remove_multiproc_dir(metrics_dir)

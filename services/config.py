@@ -279,7 +279,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("worker")
     g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     g.add_argument("--worker-backend", default=None)
-    g.add_argument("--attention-backend", default=None, help="torch or triton")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
+                   help="default: triton on CUDA, torch on CPU")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads in the worker (CPU)")
 
 
@@ -314,3 +315,6 @@ class ServeConfig:
     tokenizer_workers: int = 1
     num_blocks: int = 0  # measured by the worker, given to the scheduler
     log_level: str = "info"
+    # metrics (services/metrics/): the periodic stats line, and vLLM's switch for engine stats
+    log_stats_interval: float = 10.0
+    disable_log_stats: bool = False

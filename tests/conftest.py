@@ -68,8 +68,12 @@ def hf_reference() -> HFReference:
     config = packed.config
     config.quantization_config = None
     model = LlamaForCausalLM(config).to(torch.float32)
-    state_dict = {k: v.detach().to(torch.float32).contiguous() for k, v in packed.state_dict().items()}
-    model.load_state_dict(state_dict, strict=False)
+    state_dict = {
+        k: v.detach().to(torch.float32).contiguous() for k, v in packed.state_dict().items()
+    }
+    result = model.load_state_dict(state_dict, strict=False)
+    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF reference weights do not fit: {result}")
     model.tie_weights()
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)

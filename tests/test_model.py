@@ -18,10 +18,11 @@ from services.gpu_worker.attention import get_attention_backend
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model_runner import build_attention_metadata
-from tests.conftest import arch_from_hf_config
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One request: q [Q, H, D] are the last Q positions of k/v [S, Hkv, D]."""
     num_q, num_heads, _ = q.shape
     ctx, num_kv_heads = k.shape[0], k.shape[1]
@@ -85,7 +86,12 @@ def test_torch_backend_matches_naive(block_size, num_heads, num_kv_heads, ctx_an
     prior = [b for b, c in enumerate(ctxs) if c]
     if prior:  # an earlier step writes the context that this step's tokens attend to
         num_prior = sum(ctxs)
-        run(prior, [0] * len(prior), [ctxs[b] for b in prior], torch.randn(num_prior, num_heads, head_dim))
+        run(
+            prior,
+            [0] * len(prior),
+            [ctxs[b] for b in prior],
+            torch.randn(num_prior, num_heads, head_dim),
+        )
     out = run(list(range(len(ctxs))), ctxs, [q for _, q in ctx_and_q], torch.cat(qs))
     expected = torch.cat(
         [naive_attention(q, k, v, scale) for q, k, v in zip(qs, ks, vs, strict=True)]
@@ -121,7 +127,9 @@ def test_registry():
 # ---------------------------------------------------------------- model vs HF
 
 
-def _our_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+def _our_logits(
+    model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16
+) -> torch.Tensor:
     """Full-prompt prefill logits through a fresh paged cache."""
     arch = model.arch
     num_blocks = -(-len(token_ids) // block_size)
@@ -194,7 +202,9 @@ def test_load_weights_rejects_bad_checkpoints(hf_reference):
     model = LlamaForCausalLM(hf_reference.arch, TorchAttentionBackend)
     weights = dict(hf_reference.state_dict)
     with pytest.raises(ValueError, match="matches no model parameter"):
-        model.load_weights([*weights.items(), ("model.layers.0.self_attn.bogus.weight", torch.zeros(1))])
+        model.load_weights(
+            [*weights.items(), ("model.layers.0.self_attn.bogus.weight", torch.zeros(1))]
+        )
     del weights["model.layers.3.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match="missing 1 tensors"):
         model.load_weights(weights.items())
@@ -207,9 +217,9 @@ def test_prefill_logits_match_hf(hf_reference, long_prompt):
     with torch.inference_mode():
         expected = hf_reference.model(torch.tensor([long_prompt])).logits[0]
     ours = _our_logits(model, long_prompt)
-    # Both are fp32 over the same weights; they differ only in summation order (fused
-    # q/k/v and gate/up GEMMs, paged SDPA vs HF's attention), ~1e-6 relative per op,
-    # which grows over 30 layers to ~1e-4 on logits of magnitude ~20. A real bug
-    # (wrong rope, mask, GQA mapping or norm) moves logits by >0.1.
-    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=0)
+    # Both are fp32 over the same weights and differ only in summation order (fused
+    # q/k/v and gate/up GEMMs, paged SDPA vs HF's attention): measured max |diff| is
+    # ~4e-5 on logits up to ~37. 5e-4 leaves room for other BLAS kernels; a real bug
+    # (rope, mask, GQA mapping, norm) moves logits by > 0.1.
+    torch.testing.assert_close(ours, expected, atol=5e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))

@@ -185,7 +185,9 @@ def test_logprobs_are_raw_model_logprobs(runner, hf_reference, greedy_prompts):
 
 def test_bad_plans_are_rejected(runner):
     with pytest.raises(ValueError, match="not in the batch"):
-        runner.execute(StepPlan(0, running=[RunningRequestDelta("ghost", [], 0)], num_scheduled_tokens=[1]))
+        runner.execute(
+            StepPlan(0, running=[RunningRequestDelta("ghost", [], 0)], num_scheduled_tokens=[1])
+        )
     new = NewRequest("over", [1, 2, 3], 3, GREEDY, [500], 0)
     with pytest.raises(ValueError, match="past a request's known tokens"):
         runner.execute(StepPlan(1, new_requests=[new], num_scheduled_tokens=[4]))
@@ -213,9 +215,16 @@ def test_determine_num_blocks(runner):
 
 def test_dummy_load_format():
     arch = ModelArchConfig.from_hf_config(
-        {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 50, "hidden_size": 32,
-         "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 128}  # fmt: skip
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": 50,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+        }  # fmt: skip
     )
     config = EngineConfig.from_kwargs(num_threads=1, load_format="dummy", seed=3, block_size=4)
     config.finalize(arch)
@@ -230,3 +239,31 @@ def test_dummy_load_format():
     req = driver.add("d", [1, 2, 3], max_new=3)
     driver.run()
     assert len(req.output) == 3 and all(0 <= t < 50 for t in req.output)
+
+
+def test_resume_after_preemption(runner, greedy_prompts, hf_greedy_tokens):
+    """A preempted request comes back as a NewRequest whose token_ids hold prompt and
+    outputs so far, recomputed into fresh blocks; it continues where it stopped."""
+    prompt, expected = greedy_prompts[4], hf_greedy_tokens[4]
+    driver = Driver(runner)
+    first = driver.add("victim", prompt, max_new=10)
+    driver.run()
+    resumed = driver.add("victim", first.token_ids, max_new=12)  # same req_id, new blocks
+    resumed.num_prompt_tokens = len(prompt)
+    driver.run(chunk=7)
+    assert first.output + resumed.output == expected[:22]
+
+
+def test_seeded_sampling_independent_of_batch(runner, greedy_prompts):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
+
+    def generate(with_others: bool) -> list[int]:
+        driver = Driver(runner)
+        req = driver.add(f"seeded-{with_others}", greedy_prompts[2], seeded, max_new=8)
+        if with_others:
+            driver.add("other-a", greedy_prompts[0], SamplingParams(temperature=1.0), max_new=8)
+            driver.add("other-b", greedy_prompts[3], SamplingParams(seed=7), max_new=8)
+        driver.run()
+        return req.output
+
+    assert generate(False) == generate(True)

@@ -105,7 +105,8 @@ def test_penalties_match_reference():
     md = batch.sampling_metadata(states, VOCAB)
     from services.gpu_worker.sampler import apply_penalties
 
-    got = apply_penalties(logits, md)
+    assert md.penalties is not None
+    got = apply_penalties(logits, md.penalties)
     for i, p in enumerate(params):
         want = reference_penalties(logits[i], prompts[i], outputs[i], p.presence_penalty,
                                    p.frequency_penalty, p.repetition_penalty)  # fmt: skip

@@ -8,7 +8,6 @@ the api_server never loads a tokenizer.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,13 +18,6 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
-    generate_latest,
-    multiprocess,
-)
 
 from services.api_server import serving
 from services.api_server.frontend import EngineFrontend, EngineRequestError
@@ -48,6 +40,8 @@ from services.api_server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from services.metrics.process_metrics import api_requests
+from services.metrics.registry import render_latest
 from services.protocol import DetokenizeRequest as EngineDetokenizeRequest
 from services.protocol import GenerateRequest, SamplingParams, TokenizeRequest
 
@@ -80,6 +74,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="actorserve", version=VERSION, lifespan=lifespan)
     names = settings.served_model_names
     limit = settings.max_request_body_bytes
+    requests_sent = api_requests(names[0] if names else "")
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -123,6 +118,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 seed = None if sampling.seed is None else sampling.seed + i
                 sub = msgspec.structs.replace(sampling, n=1, seed=seed)
                 reqs.append(make(f"{ctx.id}-{p * ctx.n + i}", sub, p))
+        requests_sent.inc(len(reqs))
         return reqs
 
     async def respond(
@@ -291,11 +287,8 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        registry = REGISTRY
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body, content_type = render_latest()  # every process's series (multiprocess mode)
+        return Response(body, media_type=content_type)
 
     if settings.api_key:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)  # type: ignore[arg-type]

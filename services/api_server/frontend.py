@@ -147,6 +147,10 @@ class EngineFrontend:
         live.queue.put_nowait((live.index, item))
 
     def _register(self, req_id: str, queue: asyncio.Queue, index: int) -> None:  # type: ignore[type-arg]
+        if self.errored:
+            # Admitted just before EngineDead arrived: fail_all could not see it,
+            # and no output will ever come for it.
+            raise EngineRequestError(503, "The engine is not running.", "ServiceUnavailableError")
         if req_id in self._live:
             raise EngineRequestError(
                 400, f"request id {req_id!r} is already in use", "BadRequestError"

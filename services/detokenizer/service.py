@@ -10,14 +10,16 @@ here, including requests this process already finished on a stop string.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import tokenizers
 import zmq
 
 from services.config import ServeConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
-from services.ipc import PullSocket, PushSocket
+from services.ipc import PullSocket, PushSocket, report_ready
 from services.protocol import (
     ApiServerInput,
     DecodedLogprob,
@@ -157,8 +159,12 @@ def serve_detokenizer(
     endpoints: DetokenizerEndpoints,
     stop_event: threading.Event | None = None,
     ready: threading.Event | None = None,
+    batch_time: Any | None = None,
 ) -> None:
-    """Run the detokenizer loop until ``stop_event`` is set; sets ``ready`` once bound."""
+    """Run the detokenizer loop until ``stop_event`` is set; sets ``ready`` once bound.
+
+    ``batch_time`` (a histogram child) observes the time spent on each batch of inputs.
+    """
     stop_event = stop_event or threading.Event()
     processor = OutputProcessor(tokenizer)
     batches = PullSocket[TokenBatch](endpoints.token_batches, TokenBatch, bind=True)
@@ -174,6 +180,7 @@ def serve_detokenizer(
         while not stop_event.is_set():
             if not poller.poll(_POLL_MS):
                 continue
+            start = time.perf_counter()
             deltas: list[TextDelta] = []
             finishes: list[FinishRequest] = []
             # Specs first: a request's registration before its tokens where possible.
@@ -189,6 +196,8 @@ def serve_detokenizer(
                 engine.send(finish)
             if deltas:
                 api.send(TextDeltaBatch(deltas))
+            if batch_time is not None:
+                batch_time.observe(time.perf_counter() - start)
     finally:
         for sock in (batches, specs, engine, api):
             sock.close()
@@ -221,9 +230,11 @@ def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     tokenizer = load_serving_tokenizer(config.model_folder).tokenizer
     bound = threading.Event()
 
-    def report_ready() -> None:
+    def report_when_bound() -> None:
         bound.wait()
         report_ready(control_endpoint, "detokenizer")
 
-    threading.Thread(target=report_ready, daemon=True).start()
-    serve_detokenizer(tokenizer, endpoints, ready=bound)
+    from services.metrics.process_metrics import detokenizer_time
+
+    threading.Thread(target=report_when_bound, daemon=True).start()
+    serve_detokenizer(tokenizer, endpoints, ready=bound, batch_time=detokenizer_time(config))

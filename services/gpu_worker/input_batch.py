@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.gpu_worker.sampler import SamplingMetadata
+from services.gpu_worker.sampler import Penalties, SamplingMetadata
 from services.protocol import NewRequest, RunningRequestDelta, SamplingParams
 
 
@@ -39,7 +39,9 @@ class InputBatch:
     request leaves and the arrays grow when more requests are live than rows.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device):
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device
+    ):
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
@@ -95,7 +97,9 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray, states: list[CachedRequestState]) -> None:
+    def append_tokens(
+        self, rows: np.ndarray, token_ids: np.ndarray, states: list[CachedRequestState]
+    ) -> None:
         """Store one sampled token per request at the end of its known tokens."""
         ends = np.array([s.num_tokens for s in states], dtype=np.int64)
         self.token_ids[rows, ends] = token_ids
@@ -105,7 +109,9 @@ class InputBatch:
     def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
         end = state.num_blocks + len(block_ids)
         if end > self.block_table.shape[1]:
-            raise ValueError(f"request {state.req_id!r} has {end} blocks, more than max_model_len allows")
+            raise ValueError(
+                f"request {state.req_id!r} has {end} blocks, more than max_model_len allows"
+            )
         self.block_table[state.row, state.num_blocks : end] = block_ids
         state.num_blocks = end
 
@@ -131,24 +137,33 @@ class InputBatch:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
             all_greedy=all(greedy),
             top_k=_tensor_if(any(k < vocab_size for k in top_k), top_k, torch.int64, dev),
-            top_p=_tensor_if(any(p.top_p < 1.0 for p in params), [p.top_p for p in params], torch.float32, dev),
-            min_p=_tensor_if(any(p.min_p > 0.0 for p in params), [p.min_p for p in params], torch.float32, dev),
+            top_p=_tensor_if(
+                any(p.top_p < 1.0 for p in params), [p.top_p for p in params], torch.float32, dev
+            ),
+            min_p=_tensor_if(
+                any(p.min_p > 0.0 for p in params), [p.min_p for p in params], torch.float32, dev
+            ),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
         )
         if any(
             p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
             for p in params
         ):
-            md.presence_penalties = torch.tensor([p.presence_penalty for p in params], device=dev)
-            md.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], device=dev)
-            md.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], device=dev)
-            md.prompt_token_ids, md.output_token_ids = self._penalty_tokens(states, vocab_size)
+            prompt_ids, output_ids = self._penalty_tokens(states, vocab_size)
+            md.penalties = Penalties(
+                presence=torch.tensor([p.presence_penalty for p in params], device=dev),
+                frequency=torch.tensor([p.frequency_penalty for p in params], device=dev),
+                repetition=torch.tensor([p.repetition_penalty for p in params], device=dev),
+                prompt_token_ids=prompt_ids,
+                output_token_ids=output_ids,
+            )
         rows, toks = [], []
         for i, s in enumerate(states):
             if s.num_tokens - s.num_prompt_tokens < s.sampling.min_tokens:
                 stop = list(s.sampling.stop_token_ids)
                 if s.eos_token_id is not None and not s.sampling.ignore_eos:
                     stop.append(s.eos_token_id)
+                stop = [t for t in stop if 0 <= t < vocab_size]  # others can't be sampled
                 rows += [i] * len(stop)
                 toks += stop
         if rows:
@@ -169,10 +184,14 @@ class InputBatch:
             idx = starts[:, None] + np.arange(max(int(lens.max()), 1))[None, :]
             valid = idx < (starts + lens)[:, None]
             toks = self.token_ids[rows[:, None], np.minimum(idx, self.token_ids.shape[1] - 1)]
-            return torch.from_numpy(np.where(valid, toks, vocab_size).astype(np.int64)).to(self.device)
+            return torch.from_numpy(np.where(valid, toks, vocab_size).astype(np.int64)).to(
+                self.device
+            )
 
         return padded(np.zeros_like(n_prompt), n_prompt), padded(n_prompt, n_out)
 
 
-def _tensor_if(cond: bool, values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def _tensor_if(
+    cond: bool, values: list, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
     return torch.tensor(values, dtype=dtype, device=device) if cond else None

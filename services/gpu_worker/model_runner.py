@@ -21,6 +21,7 @@ from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attent
 from services.gpu_worker.input_batch import CachedRequestState, InputBatch
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.sampler import Sampler, SamplerOutput
+from services.model_loader import dummy_weights, iter_weights, load_hf_config
 from services.protocol import StepPlan, StepResult, TokenLogprobs
 
 _DTYPES = {
@@ -76,19 +77,27 @@ class ModelRunner:
         self.device = resolve_device(config.worker.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.worker.num_threads or os.cpu_count() or 1)
-        if arch is None or (weights is None and config.model.load_format != "dummy"):
-            from services.model_loader import iter_weights, load_hf_config
-
+            # --num-threads wins; else an explicit OMP_NUM_THREADS (as in tests); else all cores.
+            threads = config.worker.num_threads
+            if threads is None and "OMP_NUM_THREADS" not in os.environ:
+                threads = os.cpu_count() or 1
+            if threads is not None:
+                torch.set_num_threads(threads)
+        if config.cache.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not supported; use auto"
+            )
+        if arch is None:
             if folder is None:
-                raise ValueError("ModelRunner needs a model folder or both arch and weights")
-            arch = arch or ModelArchConfig.from_hf_config(load_hf_config(folder))
-            if weights is None and config.model.load_format != "dummy":
-                weights = iter_weights(folder, self.dtype)
+                raise ValueError("ModelRunner needs a model folder or an arch config")
+            arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
         if weights is None:
-            from services.model_loader import dummy_weights
-
-            weights = dummy_weights(arch, self.dtype, config.model.seed)
+            if config.model.load_format == "dummy":
+                weights = dummy_weights(arch, self.dtype, config.model.seed)
+            elif folder is None:
+                raise ValueError("ModelRunner needs a model folder or weights")
+            else:
+                weights = iter_weights(folder, self.dtype)
         self.arch = arch
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         backend_name = config.worker.attention_backend or (
@@ -172,8 +181,11 @@ class ModelRunner:
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
         self.kv_caches = []
+        # On CPU, empty (fresh, untouched pages) so RAM is committed only as blocks fill;
+        # backends never read a slot before it is written (see AttentionBackend).
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         for _ in range(a.num_hidden_layers):
-            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kv = alloc(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((kv[0], kv[1]))
         self.num_blocks = num_blocks
 

@@ -16,11 +16,22 @@ _NEG_INF = float("-inf")
 
 
 @dataclass
+class Penalties:
+    """Penalty parameters [N] and each row's prompt / output token ids [N, L], padded
+    with ``vocab_size``."""
+
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    prompt_token_ids: torch.Tensor
+    output_token_ids: torch.Tensor
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling parameters of the N rows that sample this step (device tensors).
 
-    ``prompt_token_ids`` / ``output_token_ids`` are [N, L] padded with ``vocab_size``
-    and are set only when some row has a penalty. ``min_tokens_mask`` is
+    Optional parts are None when no row uses them. ``min_tokens_mask`` is
     (row indices, token ids) whose logits are forced to -inf. ``generators`` maps a
     row to its request's own generator; the other random rows share the sampler's.
     """
@@ -32,11 +43,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [N] float32; None = none set
     min_p: torch.Tensor | None  # [N] float32; None = none set
     generators: dict[int, torch.Generator]
-    presence_penalties: torch.Tensor | None = None  # [N]; all penalties None = none set
-    frequency_penalties: torch.Tensor | None = None
-    repetition_penalties: torch.Tensor | None = None
-    prompt_token_ids: torch.Tensor | None = None
-    output_token_ids: torch.Tensor | None = None
+    penalties: Penalties | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # largest top-N asked; None = no row wants logprobs
 
@@ -60,20 +67,17 @@ def _bin_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     """Repetition over prompt + output (divide positive logits, multiply negative);
     frequency (times output count) and presence (output seen) subtracted."""
-    assert md.prompt_token_ids is not None and md.output_token_ids is not None
-    assert md.presence_penalties is not None and md.frequency_penalties is not None
-    assert md.repetition_penalties is not None
     vocab = logits.shape[1]
-    output_counts = _bin_counts(md.output_token_ids, vocab)
+    output_counts = _bin_counts(p.output_token_ids, vocab)
     output_mask = output_counts > 0
-    seen = output_mask | (_bin_counts(md.prompt_token_ids, vocab) > 0)
-    rep = torch.where(seen, md.repetition_penalties[:, None], 1.0)
+    seen = output_mask | (_bin_counts(p.prompt_token_ids, vocab) > 0)
+    rep = torch.where(seen, p.repetition[:, None], 1.0)
     logits = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - md.frequency_penalties[:, None] * output_counts
-    return logits - md.presence_penalties[:, None] * output_mask
+    logits = logits - p.frequency[:, None] * output_counts
+    return logits - p.presence[:, None] * output_mask
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -114,10 +118,12 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
-        if md.repetition_penalties is not None:
-            logits = apply_penalties(logits, md)
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
         if md.min_tokens_mask is not None:
-            logits = logits.index_put(md.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
+            logits = logits.index_put(
+                md.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device)
+            )
         greedy_tokens = logits.argmax(dim=-1)
         if md.all_greedy:
             out.sampled_token_ids = greedy_tokens
@@ -134,8 +140,7 @@ class Sampler:
                 q[row].exponential_(generator=gen)
             random_tokens = (probs / q).argmax(dim=-1)
             out.sampled_token_ids = torch.where(md.greedy, greedy_tokens, random_tokens)
-        if raw_logprobs is not None:
-            assert md.max_num_logprobs is not None
+        if raw_logprobs is not None and md.max_num_logprobs is not None:
             top = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
             out.top_token_ids, out.top_logprobs = top.indices, top.values
             sampled_lp = raw_logprobs.gather(1, out.sampled_token_ids[:, None])

@@ -8,12 +8,14 @@ and (rank 0) push the StepResult back to the scheduler.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from services.config import ServeConfig
 from services.gpu_worker.model_runner import ModelRunner
 from services.ipc import PushSocket, SubSocket, report_ready
 from services.logging_utils import init_logger
+from services.metrics.process_metrics import worker_forward_time
 from services.protocol import StepPlan, StepResult
 from services.scheduler.capacity import check_kv_capacity
 
@@ -28,12 +30,17 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0) -> Non
     check_kv_capacity(num_blocks, engine.cache.block_size, engine.scheduler.max_model_len, logger)
     runner.initialize_kv_cache(num_blocks)
     plans = SubSocket[StepPlan](config.endpoints.step_plans, StepPlan)
-    results = PushSocket[StepResult](config.endpoints.step_results, StepResult) if rank == 0 else None
+    results = (
+        PushSocket[StepResult](config.endpoints.step_results, StepResult) if rank == 0 else None
+    )
+    forward_time = worker_forward_time(config)
     report_ready(control_endpoint, "worker", num_blocks)
     while True:
         plan = plans.recv()
         if plan is None:
             continue
+        start = time.perf_counter()
         result = runner.execute(plan)
+        forward_time.observe(time.perf_counter() - start)
         if results is not None:
             results.send(result)

@@ -16,6 +16,7 @@ import time
 from services.config import ServeConfig
 from services.ipc import PubSocket, PullSocket, PushSocket, XPubSocket, report_ready
 from services.logging_utils import init_logger
+from services.metrics.engine_core import EngineCoreMetrics
 from services.protocol import (
     Abort,
     EngineCoreInput,
@@ -56,6 +57,9 @@ class EngineCore:
             PubSocket[KVEventBatch](ep.kv_events, KVEventBatch, bind=True) if ep.kv_events else None
         )
         self._kv_event_seq = 0
+        self.metrics = EngineCoreMetrics(config, self.scheduler, logger)
+        self.metrics.loop.count_sent_bytes(self._plans, "step_plans")
+        self.metrics.loop.count_sent_bytes(self._detok, "detok_tokens")
         self._input_endpoint = ep.engine_core
         self._bound = threading.Event()
         self._num_worker_ranks = num_worker_ranks
@@ -82,7 +86,11 @@ class EngineCore:
         sched = self.scheduler
         while True:
             idle = not sched.has_unfinished_requests() and not sched.has_finished_requests()
-            self._handle(self._inputs.get() if idle else None)
+            if idle:
+                msg = self.metrics.wait_idle(self._inputs)  # flushes gauges, logs stats when due
+                if msg is None:
+                    continue
+                self._handle(msg)
             while True:
                 try:
                     self._handle(self._inputs.get_nowait())
@@ -117,13 +125,17 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step; a plan with nothing to compute still tells the workers what finished."""
+        start = time.perf_counter()
         sched = self.scheduler
         plan = sched.schedule()
+        worker_s = 0.0
         if plan.is_empty and not plan.finished_req_ids:
             result = StepResult(plan.step_id)
         else:
             self._plans.send(plan)
+            sent = time.perf_counter()
             result = self._wait_result(plan.step_id)
+            worker_s = time.perf_counter() - sent
         items = sched.update_from_output(plan, result)
         if items:
             self._detok.send(TokenBatch(items))
@@ -132,6 +144,7 @@ class EngineCore:
             if events:
                 self._kv_events.send(KVEventBatch(time.time(), events, self._kv_event_seq))
                 self._kv_event_seq += 1
+        self.metrics.on_step(plan, items, time.perf_counter() - start - worker_s)
 
     def _wait_result(self, step_id: int) -> StepResult:
         while True:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from services.config import ServeConfig
 from services.ipc import PullSocket, PushSocket, report_ready
@@ -45,8 +47,12 @@ def serve_tokenizer(
     processor: RequestProcessor,
     endpoints: TokenizerEndpoints,
     stop_event: threading.Event | None = None,
+    tokenize_time: Any | None = None,
 ) -> None:
-    """Run the tokenizer loop until ``stop_event`` is set (forever without one)."""
+    """Run the tokenizer loop until ``stop_event`` is set (forever without one).
+
+    ``tokenize_time`` (a histogram child) observes each generate request's processing time.
+    """
     stop_event = stop_event or threading.Event()
     requests = PullSocket[TokenizerInput](endpoints.requests, TokenizerInput)
     engine = PushSocket[EngineCoreInput](endpoints.engine_core, EngineCoreInput)
@@ -59,7 +65,10 @@ def serve_tokenizer(
                 continue
             try:
                 if isinstance(msg, GenerateRequest):
+                    start = time.perf_counter()
                     out = processor.process(msg)
+                    if tokenize_time is not None:
+                        tokenize_time.observe(time.perf_counter() - start)
                     if isinstance(out, RequestError):
                         api.send(out)
                     else:
@@ -110,5 +119,7 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     processor = RequestProcessor(
         load_serving_tokenizer(config.model_folder), config.engine.scheduler.max_model_len
     )
+    from services.metrics.process_metrics import tokenizer_time
+
     report_ready(control_endpoint, "tokenizer")
-    serve_tokenizer(processor, endpoints)
+    serve_tokenizer(processor, endpoints, tokenize_time=tokenizer_time(config))

@@ -6,7 +6,13 @@ import importlib
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, KVCache
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "ATTENTION_BACKENDS", "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "KVCache",
+    "ATTENTION_BACKENDS",
+    "get_attention_backend",
+]
 
 # name -> "module:Class"; importing lazily keeps triton off the CPU-only path.
 ATTENTION_BACKENDS: dict[str, str] = {

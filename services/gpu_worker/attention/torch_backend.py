@@ -42,8 +42,11 @@ class _Group:
     max_q: int
     req_of_token: torch.Tensor  # [Tg] group-local request of each query token
     pos_in_req: torch.Tensor  # [Tg] index of the token among its request's queries
-    kv_slots: torch.Tensor  # [Bg, S] cache slot of each context position (clamped)
-    mask: torch.Tensor  # [Bg, 1, max_q, S] True = attend
+    blocks: torch.Tensor  # [Bg * nb] physical blocks to gather, row-major per request
+    stale_rows: torch.Tensor | None  # rows of the gathered [Bg * nb * bs] past each context
+    mask: torch.Tensor  # [Bg, 1, max_q, nb * bs] True = attend
+    # Gather buffers reused by every layer: big fresh allocations cost page faults on CPU.
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _build_group(
@@ -56,33 +59,34 @@ def _build_group(
         reqs = torch.arange(seq_cpu.shape[0])
     starts, q_lens = qsl_cpu[reqs], qsl_cpu[reqs + 1] - qsl_cpu[reqs]
     seq_lens = seq_cpu[reqs]
-    num_reqs, max_q, max_s = reqs.shape[0], int(q_lens.max()), int(seq_lens.max())
-    # Token-level indices, built on the host from the host copies: no device sync.
+    num_reqs, max_q = reqs.shape[0], int(q_lens.max())
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    # Index tensors are built on the host from the host copies: no device sync.
     req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
     offsets = torch.cumsum(q_lens, 0) - q_lens
     pos_in_req = torch.arange(int(q_lens.sum())) - offsets[req_of_token]
     token_idx = None if whole_batch else (starts[req_of_token] + pos_in_req).to(device)
-
-    reqs_dev = reqs.to(device)
-    seq_dev = meta.seq_lens[reqs_dev].long()
-    positions = torch.arange(max_s, device=device)
-    # Positions past a request's context are clamped to its last one, so every
-    # block-table read is of a real block; the mask hides them.
-    clamped = torch.minimum(positions[None, :], (seq_dev - 1)[:, None])
-    blocks = torch.gather(meta.block_table[reqs_dev].long(), 1, clamped // block_size)
-    kv_slots = blocks * block_size + clamped % block_size
-    ctx = (seq_dev - q_lens.to(device))[:, None, None]  # tokens before this step's queries
-    q_pos = ctx + torch.arange(max_q, device=device)[None, :, None]
-    k_pos = positions[None, None, :]
-    mask = (k_pos <= q_pos) & (k_pos < seq_dev[:, None, None])
+    # Whole blocks are gathered (far faster than per-slot gathers). Table columns past a
+    # request's last block are clamped to it, so only real blocks are read; the slots
+    # past its context are zeroed after the gather (they may hold stale K/V, even NaN
+    # from another request) and masked.
+    cols = torch.minimum(
+        torch.arange(num_blocks)[None, :], (-(-seq_lens // block_size) - 1)[:, None]
+    )
+    blocks = torch.gather(meta.block_table[reqs.to(device)], 1, cols.to(device)).long().flatten()
+    k_pos = torch.arange(num_blocks * block_size)
+    stale = torch.nonzero((k_pos[None, :] >= seq_lens[:, None]).flatten()).flatten()
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < seq_lens[:, None, None])
     return _Group(
         token_idx=token_idx,
         num_reqs=num_reqs,
         max_q=max_q,
         req_of_token=req_of_token.to(device),
         pos_in_req=pos_in_req.to(device),
-        kv_slots=kv_slots,
-        mask=mask[:, None],
+        blocks=blocks,
+        stale_rows=stale.to(device) if stale.numel() else None,
+        mask=mask[:, None].to(device),
     )
 
 
@@ -116,8 +120,6 @@ class TorchAttentionBackend(AttentionBackend):
         if groups is None:
             groups = _plan(attn_meta, key_cache.shape[1])
             attn_meta.backend_state[self.name] = groups
-        flat_k = key_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = value_cache.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.zeros_like(query)
         for g in groups:
             num_tokens = g.req_of_token.shape[0]
@@ -127,10 +129,15 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 q_pad = q.new_zeros(g.num_reqs, g.max_q, self.num_heads, self.head_dim)
                 q_pad[g.req_of_token, g.pos_in_req] = q
+            if g.buffers is None:
+                shape = (g.blocks.shape[0], *key_cache.shape[1:])
+                g.buffers = (key_cache.new_empty(shape), key_cache.new_empty(shape))
+            k = self._gather(key_cache, g, g.buffers[0])
+            v = self._gather(value_cache, g, g.buffers[1])
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2),
-                flat_k[g.kv_slots].transpose(1, 2),
-                flat_v[g.kv_slots].transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
                 attn_mask=g.mask,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
@@ -141,3 +148,11 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out[g.token_idx] = o
         return out
+
+    def _gather(self, cache: torch.Tensor, g: _Group, out: torch.Tensor) -> torch.Tensor:
+        """[Bg, nb * block_size, kv_heads, D]: each request's context, zero past its end."""
+        torch.index_select(cache, 0, g.blocks, out=out)
+        rows = out.view(-1, self.num_kv_heads, self.head_dim)
+        if g.stale_rows is not None:
+            rows.index_fill_(0, g.stale_rows, 0)
+        return rows.view(g.num_reqs, -1, self.num_kv_heads, self.head_dim)

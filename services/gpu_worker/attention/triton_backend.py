@@ -9,18 +9,30 @@ but slow, for tests only.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from kernels import paged_attention, reshape_and_cache
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, KVCache
 
+logger = logging.getLogger(__name__)
+
+
+@functools.cache  # once per process, not once per layer
+def _warn_interpreted() -> None:
+    logger.warning(
+        "attention backend 'triton' without a GPU runs in Triton's interpreter: correct but "
+        "very slow; use --attention-backend torch on CPU"
+    )
+
 
 class TritonAttentionBackend(AttentionBackend):
     """``AttentionBackend`` on the unified Triton kernel.
 
-    Needs a power-of-two head_dim >= 16 and a power-of-two block size >= 8 (checked at
-    construction where known, else by the kernel with a ValueError). Output rows of
-    padding tokens (past ``query_start_loc[B]``) are left uninitialised.
+    Needs a power-of-two head_dim >= 16 (ValueError at construction); any block size.
+    Output rows of padding tokens (past ``query_start_loc[B]``) are left uninitialised.
     """
 
     name = "triton"
@@ -32,6 +44,8 @@ class TritonAttentionBackend(AttentionBackend):
                 f"the triton attention backend needs a power-of-two head_dim >= 16, got "
                 f"{head_dim}; use --attention-backend torch"
             )
+        if not torch.cuda.is_available():
+            _warn_interpreted()
 
     def forward(
         self,

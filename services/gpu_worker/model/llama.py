@@ -158,9 +158,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(
-            arch, attn_backend, max_positions or arch.max_position_embeddings
-        )
+        self.model = LlamaModel(arch, attn_backend, max_positions or arch.max_position_embeddings)
         self.lm_head = (
             None
             if arch.tie_word_embeddings
@@ -214,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard_range(self, name: str, shard: str | int) -> tuple[int, int]:
         layer = self.model.layers[int(name.split(".")[2])]
+        assert isinstance(layer, LlamaDecoderLayer)
         if isinstance(shard, str):
             return layer.self_attn.shard_range(shard)
         size = layer.mlp.intermediate_size

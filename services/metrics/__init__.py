@@ -1,0 +1,1 @@
+"""Prometheus metrics under vLLM's names (multiprocess mode), and the periodic stats log line."""

@@ -1,0 +1,88 @@
+"""Our own per-process series (``actorserve:*``): where each process spends its time.
+
+One factory per process kind, called once at that process's start-up. Each
+series carries ``model_name`` and ``engine`` as vLLM's do. Histograms of
+seconds use ``STEP_TIME_BUCKETS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.config import ServeConfig
+from services.metrics.registry import LABEL_NAMES, STEP_TIME_BUCKETS, label_values
+
+
+def _histogram(config: ServeConfig, name: str, doc: str) -> Any:
+    return Histogram(name, doc, LABEL_NAMES, buckets=STEP_TIME_BUCKETS, registry=None).labels(
+        *label_values(config)
+    )
+
+
+def tokenizer_time(config: ServeConfig) -> Any:
+    """``actorserve:tokenizer_time_seconds``: chat template + tokenization of one request."""
+    return _histogram(config, "actorserve:tokenizer_time_seconds",
+                      "Time the tokenizer process spent on one request.")  # fmt: skip
+
+
+def detokenizer_time(config: ServeConfig) -> Any:
+    """``actorserve:detokenizer_batch_time_seconds``: one batch of incoming tokens to text."""
+    return _histogram(config, "actorserve:detokenizer_batch_time_seconds",
+                      "Time the detokenizer process spent on one batch of engine outputs.")  # fmt: skip
+
+
+def worker_forward_time(config: ServeConfig) -> Any:
+    """``actorserve:worker_forward_time_seconds``: one StepPlan executed by a worker rank."""
+    return _histogram(config, "actorserve:worker_forward_time_seconds",
+                      "Time a worker rank spent executing one step (inputs, forward, sampling).")  # fmt: skip
+
+
+def api_requests(model_name: str, engine_index: int = 0) -> Any:
+    """``actorserve:api_requests``: engine requests the api_server sent (one per choice)."""
+    return Counter("actorserve:api_requests", "Engine requests sent by the api_server.",
+                   LABEL_NAMES, registry=None).labels(model_name, str(engine_index))  # fmt: skip
+
+
+class SchedulerLoopMetrics:
+    """The scheduler's busy loop: time per step, time idle, bytes sent on each socket.
+
+    Also ``actorserve:max_num_seqs`` (constant), the line to plot
+    ``vllm:num_requests_running`` against.
+    """
+
+    def __init__(self, config: ServeConfig) -> None:
+        lv = label_values(config)
+        Gauge(
+            "actorserve:max_num_seqs", "The --max-num-seqs limit on running requests.",
+            LABEL_NAMES, multiprocess_mode="mostrecent", registry=None,
+        ).labels(*lv).set(config.engine.scheduler.max_num_seqs)  # fmt: skip
+        self.step_time = _histogram(
+            config, "actorserve:scheduler_step_time_seconds",
+            "Scheduler time per engine step, not counting the wait for the workers.",
+        )  # fmt: skip
+        self.idle_seconds = Counter(
+            "actorserve:scheduler_idle_seconds",
+            "Seconds the scheduler's busy loop waited for work; rate() is its idle share.",
+            LABEL_NAMES, registry=None,
+        ).labels(*lv)  # fmt: skip
+        self._socket_bytes = Counter(
+            "actorserve:socket_sent_bytes",
+            "Bytes the scheduler sent, by socket; divided by steps, bytes per step.",
+            (*LABEL_NAMES, "socket"), registry=None,
+        )  # fmt: skip
+        self._labels = lv
+
+    def count_sent_bytes(self, sock: Any, name: str) -> None:
+        """Count every frame ``sock`` (a ``services.ipc`` sender) sends, under ``socket=name``."""
+        child = self._socket_bytes.labels(*self._labels, name)
+        encoding = sock._encoding
+        frame = encoding.frame
+
+        def counted(msg: object) -> tuple[bytearray, bool]:
+            buf, copy = frame(msg)
+            child.inc(len(buf))
+            return buf, copy
+
+        encoding.frame = counted

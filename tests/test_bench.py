@@ -1,0 +1,465 @@
+"""``actorserve bench``: metric definitions on synthetic timings, workload shapes, and one short
+run against a fake OpenAI SSE server (timings it controls, so TTFT/ITL can be checked)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from bench import datasets as ds
+from bench.client import RequestOutput
+from bench.metrics import (
+    calculate_metrics,
+    parse_goodput,
+    parse_prometheus,
+    server_deltas,
+)
+from services.config import ConfigError
+from tests.server_utils import free_port
+
+
+def _out(ttft: float, latency: float, n: int, itl: list[float] | None = None) -> RequestOutput:
+    return RequestOutput(
+        success=True, prompt_len=10, output_tokens=n, ttft=ttft, latency=latency, itl=itl or []
+    )
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+
+def test_tpot_formula_and_single_token_requests() -> None:
+    outs = [_out(0.1, 1.1, 11), _out(0.2, 0.2, 1), _out(0.5, 2.5, 5)]
+    r = calculate_metrics(outs, duration_s=2.0, percentiles=[50])
+    # (1.1-0.1)/10 = 100 ms and (2.5-0.5)/4 = 500 ms; the 1-token request has no TPOT.
+    assert r["mean_tpot_ms"] == pytest.approx(300.0)
+    assert r["median_ttft_ms"] == pytest.approx(200.0)
+    assert r["total_output_tokens"] == 17 and r["total_input_tokens"] == 30
+    assert r["output_throughput"] == pytest.approx(8.5)
+    assert r["total_token_throughput"] == pytest.approx(23.5)
+    assert r["request_throughput"] == pytest.approx(1.5)
+
+
+def test_percentiles_match_numpy_linear_interpolation() -> None:
+    rng = np.random.default_rng(1)
+    ttfts = rng.uniform(0.01, 2.0, size=37)
+    outs = [_out(t, t + 1.0, 3, itl=[0.01 * (i + 1)]) for i, t in enumerate(ttfts)]
+    r = calculate_metrics(outs, 10.0, percentiles=[90, 99, 99.9])
+    ms = np.sort(ttfts) * 1000
+    # Independent: the order statistic with linear interpolation, written out.
+    for p, key in ((90, "p90_ttft_ms"), (99, "p99_ttft_ms"), (99.9, "p99.9_ttft_ms")):
+        pos = p / 100 * (len(ms) - 1)
+        lo = int(math.floor(pos))
+        want = ms[lo] + (ms[min(lo + 1, len(ms) - 1)] - ms[lo]) * (pos - lo)
+        assert r[key] == pytest.approx(want)
+    assert r["median_itl_ms"] == pytest.approx(190.0)  # ITLs 10..370 ms pooled
+    assert r["mean_e2el_ms"] == pytest.approx((ttfts.mean() + 1.0) * 1000)
+
+
+def test_peak_concurrency_and_tokens_per_second() -> None:
+    a, b, c = _out(0.5, 1.0, 2, itl=[0.5]), _out(0.5, 1.0, 4, itl=[0.5]), _out(0.2, 1.5, 3)
+    a.start_time, b.start_time, c.start_time = 0.0, 1.0, 0.5  # a ends exactly when b starts
+    r = calculate_metrics([a, b, c], 3.0)
+    assert r["max_concurrent_requests"] == 2
+    # Tokens at 0.5, 1.0 (a: 1 each), 1.5, 2.0 (b: 2 each), 0.7 (c: 3 in one chunk):
+    # second [0, 1) holds 1 + 3, [1, 2) holds 1 + 2.
+    assert r["max_output_tokens_per_s"] == pytest.approx(4.0)
+    assert calculate_metrics([a], 1.0)["max_concurrent_requests"] == 1
+
+
+def test_failed_requests_are_counted_not_measured() -> None:
+    outs = [_out(0.1, 1.0, 10), RequestOutput(success=False, error="HTTP 500: boom")]
+    r = calculate_metrics(outs, 1.0)
+    assert (r["completed"], r["failed"]) == (1, 1)
+    assert r["mean_ttft_ms"] == pytest.approx(100.0)
+
+
+def test_goodput_counts_requests_meeting_every_slo() -> None:
+    outs = [
+        _out(0.1, 1.0, 10),  # ttft 100, tpot 100, e2el 1000: good
+        _out(0.6, 1.5, 10),  # ttft 600: bad
+        _out(0.1, 2.0, 10),  # tpot 211: bad
+        _out(0.1, 0.1, 1),  # one token: tpot counts as 0: good
+    ]
+    slo = parse_goodput(["ttft:500", "tpot:150"])
+    assert calculate_metrics(outs, 2.0, goodput=slo)["request_goodput"] == pytest.approx(1.0)
+    assert calculate_metrics(outs, 2.0, goodput={"e2el": 1200})["request_goodput"] == 1.0
+    assert "request_goodput" not in calculate_metrics(outs, 2.0)
+    with pytest.raises(ConfigError):
+        parse_goodput(["itl:5"])
+    with pytest.raises(ConfigError):
+        parse_goodput(["ttft:fast"])
+
+
+def test_prometheus_deltas() -> None:
+    def text(hits: int, queries: int, computed: float, preempt: int) -> str:
+        return (
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}\n'
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {queries}\n'
+            "# TYPE vllm:request_prefill_kv_computed_tokens histogram\n"
+            f'vllm:request_prefill_kv_computed_tokens_bucket{{le="+Inf",model_name="m"}} 3\n'
+            f'vllm:request_prefill_kv_computed_tokens_count{{model_name="m"}} 3\n'
+            f'vllm:request_prefill_kv_computed_tokens_sum{{model_name="m"}} {computed}\n'
+            "# TYPE vllm:num_preemptions counter\n"
+            f'vllm:num_preemptions_total{{engine="0",model_name="m"}} {preempt}\n'
+        )
+
+    d = server_deltas(
+        parse_prometheus(text(10, 100, 50, 1)), parse_prometheus(text(70, 180, 70, 4))
+    )
+    assert d["prefix_cache_hit_rate"] == pytest.approx(60 / 80)
+    assert d["prefill_kv_computed_tokens"] == 20 and d["num_preemptions"] == 3
+    assert server_deltas({}, {})["prefix_cache_hit_rate"] is None
+
+
+# --- datasets -----------------------------------------------------------------------------
+
+
+class _FakeTokenizer:
+    """A GPT-2 style vocabulary: 'Ġword' tokens plus specials; decode joins with spaces."""
+
+    all_special_ids = {0, 1}
+
+    def __init__(self) -> None:
+        words = [f"Ġw{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}" for i in range(300)]
+        self.vocab = {"<s>": 0, "</s>": 1, "Ġ12": 2, **{w: i + 3 for i, w in enumerate(words)}}
+        self.inv = {i: s for s, i in self.vocab.items()}
+        self.tokenizer = self
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.inv[i].replace("Ġ", " ") for i in ids)
+
+
+@pytest.fixture(scope="module")
+def words() -> ds.WordTokens:
+    return ds.WordTokens(_FakeTokenizer())
+
+
+def test_word_tokens_exclude_specials_and_non_words(words: ds.WordTokens) -> None:
+    assert len(words.ids) == 300 and not {0, 1, 2} & set(words.ids.tolist())
+
+
+def test_random_dataset_lengths_and_shared_prefix(words: ds.WordTokens) -> None:
+    reqs = ds.random_dataset(
+        words, 200, input_len=100, output_len=20, range_ratio=0.5, prefix_len=16, seed=3
+    )
+    in_lens = [len(r.prompt) for r in reqs]
+    assert all(r.prompt_len == len(r.prompt) for r in reqs)
+    assert min(in_lens) >= 16 + 50 and max(in_lens) <= 16 + 150
+    assert max(in_lens) - min(in_lens) > 50  # the range is really used
+    assert all(10 <= r.expected_output_len <= 30 for r in reqs)
+    assert len({tuple(r.prompt[:16]) for r in reqs}) == 1
+    assert len({tuple(r.prompt[16:32]) for r in reqs}) == 200  # the rest is not shared
+    exact = ds.random_dataset(words, 5, 64, 8, seed=0)
+    assert {len(r.prompt) for r in exact} == {64} and {r.expected_output_len for r in exact} == {8}
+    with pytest.raises(ConfigError):
+        ds.random_dataset(words, 5, 64, 8, range_ratio=1.0)
+
+
+def test_prefix_repetition_dataset(words: ds.WordTokens) -> None:
+    reqs = ds.prefix_repetition_dataset(
+        words, 40, num_prefixes=4, prefix_len=32, suffix_len=8, output_len=5, seed=0
+    )
+    assert all(len(r.prompt) == 40 == r.prompt_len for r in reqs)
+    groups: dict[tuple[int, ...], int] = {}
+    for r in reqs:
+        groups[tuple(r.prompt[:32])] = groups.get(tuple(r.prompt[:32]), 0) + 1
+    assert sorted(groups.values()) == [10, 10, 10, 10]
+    assert [tuple(r.prompt[:32]) for r in reqs[:4]] != [tuple(reqs[0].prompt[:32])] * 4  # shuffled
+
+
+def test_chat_turns_reuse_their_history(words: ds.WordTokens) -> None:
+    reqs = ds.chat_dataset(
+        words, 10, num_turns=3, system_len=20, user_len=6, assistant_len=4, output_len=7, seed=0
+    )
+    assert len(reqs) == 10
+    system = reqs[0].prompt[0]
+    for i, r in enumerate(reqs):
+        msgs = r.prompt
+        assert msgs[0] == system and msgs[-1]["role"] == "user"  # shared system prompt
+        assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * (len(msgs) // 2 - 1) + [
+            "user"
+        ]
+        if r.parent is None:
+            assert len(msgs) == 2
+        else:
+            parent = reqs[r.parent]
+            assert r.parent < i
+            assert msgs[: len(parent.prompt)] == parent.prompt  # previous turn is the prefix
+            assert len(msgs) == len(parent.prompt) + 2 and msgs[-2]["role"] == "assistant"
+    assert sum(r.parent is None for r in reqs) == 4  # ceil(10 / 3) conversations
+
+
+def test_jsonl_dataset(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        '{"prompt": "hi there", "output_len": 3}\n\n{"prompt": [5, 6, 7]}\n'
+        '{"messages": [{"role": "user", "content": "yo"}]}\n'
+    )
+    reqs = ds.jsonl_dataset(f, 5, output_len=9)
+    assert [r.expected_output_len for r in reqs] == [3, 9, 9, 3, 9]
+    assert reqs[1].prompt_len == 3 and reqs[0].prompt_len is None
+    f.write_text('{"text": "x"}\n')
+    with pytest.raises(ConfigError, match="p.jsonl:1"):
+        ds.jsonl_dataset(f, 1, None)
+
+
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
+def test_gamma_arrivals(burstiness: float) -> None:
+    t = ds.arrival_times(4000, request_rate=20.0, burstiness=burstiness, seed=1)
+    gaps = np.diff(np.concatenate([[0.0], t]))
+    assert (gaps >= 0).all() and t[-1] == pytest.approx(4000 / 20)  # mean gap 1/rate
+    # Gamma(k, θ): coefficient of variation 1/sqrt(k): burstiness really shapes the gaps.
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+    # Exponential gaps (k=1) are memoryless: P(gap > mean) = 1/e.
+    if burstiness == 1.0:
+        assert (gaps > gaps.mean()).mean() == pytest.approx(math.exp(-1), abs=0.03)
+
+
+def test_arrivals_edge_cases() -> None:
+    assert (ds.arrival_times(5, math.inf, 1.0) == 0).all()
+    assert np.allclose(ds.arrival_times(4, 2.0, math.inf), [0.5, 1.0, 1.5, 2.0])
+    with pytest.raises(ConfigError):
+        ds.arrival_times(4, 2.0, 0.0)
+
+
+# --- end to end against a fake server -----------------------------------------------------
+
+FIRST_DELAY, GAP = 0.05, 0.01
+
+
+def _fake_app(counters: dict[str, int]):  # noqa: ANN202
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"data": [{"id": "fake"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f"vllm:prefix_cache_queries_total {counters['queries']}\n"
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f"vllm:prefix_cache_hits_total {counters['queries'] // 2}\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running {counters['running']}\n"
+        )
+
+    async def stream(body: dict, chat: bool):  # noqa: ANN202
+        counters["running"] += 1
+        n = body["max_tokens"]
+        prompt = body.get("prompt")
+        n_in = len(prompt) + 1 if isinstance(prompt, list) else 7
+
+        def chunk(text: str | None, finish: str | None = None) -> str:
+            choice = (
+                {"delta": {"content": text} if text is not None else {"role": "assistant"}}
+                if chat
+                else {"text": text or ""}
+            )
+            return (
+                "data: "
+                + json.dumps({"choices": [{"index": 0, **choice, "finish_reason": finish}]})
+                + "\n\n"
+            )
+
+        yield chunk(None if chat else "")  # empty first chunk: must not count as the first token
+        await asyncio.sleep(FIRST_DELAY)
+        for i in range(n):
+            if i:
+                await asyncio.sleep(GAP)
+            yield chunk(f" t{i}")
+        yield chunk("" if not chat else None, "length")
+        counters["queries"] += 10
+        counters["running"] -= 1
+        yield (
+            "data: "
+            + json.dumps({"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n}})
+            + "\n\n"
+        )
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(req: Request) -> Response:
+        body = await req.json()
+        if body.get("max_tokens") == 13:
+            return JSONResponse({"error": {"message": "unlucky"}}, status_code=400)
+        assert body["stream"] and body["stream_options"]["include_usage"]
+        return StreamingResponse(stream(body, chat=False), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: Request) -> StreamingResponse:
+        return StreamingResponse(
+            stream(await req.json(), chat=True), media_type="text/event-stream"
+        )
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_server():  # noqa: ANN201
+    import uvicorn
+
+    counters = {"queries": 0, "running": 0}
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_fake_app(counters), port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+def _bench_args(tmp_path: Path, url: str, *extra: str):  # noqa: ANN202
+    import argparse
+
+    from bench.serve import add_cli_args
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    return p.parse_args(
+        ["--base-url", url, "--result-dir", str(tmp_path), "--disable-tqdm", *extra]
+    )
+
+
+def test_end_to_end_against_fake_server(tmp_path: Path, fake_server: str, capsys) -> None:  # noqa: ANN001
+    from bench.serve import main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": [1, 2, 3]}\n{"prompt": "hello"}\n')
+    args = _bench_args(
+        tmp_path,
+        fake_server,
+        "--dataset-name",
+        "jsonl",
+        "--dataset-path",
+        str(f),
+        "--jsonl-output-len",
+        "6",
+        "--num-prompts",
+        "8",
+        "--max-concurrency",
+        "4",
+        "--num-warmups",
+        "1",
+        "--scrape-metrics",
+        "--goodput",
+        "ttft:10000",
+        "--result-filename",
+        "run.json",
+    )
+    assert main(args) == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    r = json.loads((tmp_path / "run.json").read_text())
+    assert r["completed"] == 8 and r["failed"] == 0 and r["model_id"] == "fake"
+    assert r["total_output_tokens"] == 48 and r["request_goodput"] > 0
+    assert r["input_lens"] == [4, 7] * 4  # the server's usage count, not the client's
+    # TTFT skips the empty first chunk: it includes the fake server's FIRST_DELAY.
+    assert min(r["ttfts"]) >= FIRST_DELAY
+    assert all(len(itl) == 5 for itl in r["itls"]) and r["median_itl_ms"] >= GAP * 1000 * 0.9
+    assert r["server_metrics"]["prefix_cache_queries"] == 80  # warm-up excluded
+    assert r["server_metrics"]["prefix_cache_hit_rate"] == pytest.approx(0.5)
+    assert r["server_timeline"]
+    for name in ("ttft_cdf", "tpot_cdf", "throughput", "running_waiting"):
+        png = tmp_path / f"run_{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_endpoint_waits_for_previous_turn(tmp_path: Path, fake_server: str) -> None:
+    from bench.client import CHAT
+    from bench.serve import benchmark
+
+    reqs = ds.chat_dataset(
+        ds.WordTokens(_FakeTokenizer()),
+        6,
+        num_turns=3,
+        system_len=4,
+        user_len=3,
+        assistant_len=2,
+        output_len=4,
+    )
+    args = _bench_args(tmp_path, fake_server, "--dataset-name", "chat", "--no-plots")
+    r = asyncio.run(benchmark(args, reqs, fake_server))
+    assert r["endpoint"] == CHAT and r["completed"] == 6
+    assert min(r["ttfts"]) >= FIRST_DELAY  # the role-only first delta is not the first token
+    for i, req in enumerate(reqs):
+        if req.parent is not None:  # sent only after the previous turn's last chunk
+            assert r["start_times"][i] >= r["start_times"][req.parent] + r["e2els"][req.parent]
+
+
+def test_compare_ratio_table() -> None:
+    from bench.compare import parse_servers, ratio_table
+
+    a = {"output_throughput": 50.0, "median_ttft_ms": 200.0, "server_metrics": None}
+    b = {"output_throughput": 100.0, "median_ttft_ms": 100.0}
+    lines = ratio_table({"ours": a, "vllm": b}).splitlines()
+    row = {ln.split("  ")[0]: ln.split() for ln in lines[2:]}
+    assert row["Output token throughput (tok/s) ↑"][-1] == "x2.00"
+    assert row["Median TTFT (ms) ↓"][-1] == "x0.50"
+    assert not any("hit rate" in ln for ln in lines)  # absent everywhere: no row
+    assert parse_servers(["a=http://h:1/v1/", "b=https://x"]) == {
+        "a": "http://h:1",
+        "b": "https://x",
+    }
+    for bad in (["nourl"], ["a=ftp://x"], ["a=http://x", "a=http://y"], []):
+        with pytest.raises(ConfigError):
+            parse_servers(bad)
+
+
+def test_compare_runs_each_server(tmp_path: Path, fake_server: str, capsys) -> None:  # noqa: ANN001
+    from bench.compare import build_parser, main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello", "output_len": 3}\n')
+    args = build_parser().parse_args([
+        "--server", f"one={fake_server}", "--server", f"two={fake_server}/v1",
+        "--dataset-name", "jsonl", "--dataset-path", str(f), "--num-prompts", "3",
+        "--result-dir", str(tmp_path), "--disable-tqdm",
+    ])  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("Serving Benchmark Result") == 2 and "two/one" in out
+    summary = json.loads(next(tmp_path.glob("compare-*.json")).read_text())["summary"]
+    assert summary["one"]["output_throughput"] > 0 and summary["two"]["output_throughput"] > 0
+    assert len(list(tmp_path.glob("bench-jsonl-*-one.json"))) == 1
+    assert next(tmp_path.glob("compare-*_cdf.png")).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_payloads_and_endpoint_checks(fake_server: str) -> None:
+    from bench.client import RequestSettings, build_payload, make_client, send_request
+    from bench.serve import CHAT, COMPLETIONS, check_prompts
+
+    s = RequestSettings(fake_server, COMPLETIONS, "m", ignore_eos=True)
+    body = build_payload(ds.SampleRequest([5, 6], 2, 4), s)
+    assert body["prompt"] == [5, 6] and body["max_tokens"] == 4 and body["ignore_eos"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["temperature"] == 0.0
+    chat = build_payload(ds.SampleRequest("hi", None, None), RequestSettings("", CHAT, "m"))
+    assert chat["messages"] == [{"role": "user", "content": "hi"}] and "max_tokens" not in chat
+    with pytest.raises(ConfigError, match="token ids"):
+        check_prompts([ds.SampleRequest([1], 1, 1)], CHAT)
+    with pytest.raises(ConfigError, match="chat messages"):
+        check_prompts([ds.SampleRequest([{"role": "user", "content": "x"}], None, 1)], COMPLETIONS)
+
+    async def failing() -> RequestOutput:
+        async with make_client(1, 10.0) as client:
+            return await send_request(client, ds.SampleRequest("x", 1, 13), s, 0.0)
+
+    out = asyncio.run(failing())
+    assert not out.success and out.error.startswith("HTTP 400") and "unlucky" in out.error

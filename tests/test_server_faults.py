@@ -1,0 +1,219 @@
+"""Fault tests: each starts its own short-lived ``actorserve serve`` and breaks it.
+
+What must hold: a dead engine process turns in-flight requests into errors
+and takes the whole server down (exit non-zero); SIGTERM drains (in-flight
+requests finish, every process exits 0); ``kill -9`` of the launcher leaves no
+orphan; a client that hangs up gives its KV blocks back. After every test no
+process of the server's process group is left (``RemoteServer.close``
+SIGKILLs leftovers so one failure never leaks into the next test).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import RemoteServer
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., RemoteServer]]:
+    servers: list[RemoteServer] = []
+
+    def make(*args: str) -> RemoteServer:
+        servers.append(RemoteServer(*args))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+class StreamInThread:
+    """One streaming completion in a thread: ``first`` is set at the first chunk."""
+
+    def __init__(self, url: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True) -> None:
+        self.first = threading.Event()
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: openai.types.CompletionUsage | None = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        self._thread = threading.Thread(
+            target=self._run, args=(client, prompt, max_tokens, ignore_eos), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, client: openai.OpenAI, prompt: str, max_tokens: int, ignore_eos: bool) -> None:
+        try:
+            stream = client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": ignore_eos},
+            )
+            for chunk in stream:
+                self.first.set()
+                for c in chunk.choices:
+                    self.text.append(c.text)
+                    self.finish_reason = c.finish_reason or self.finish_reason
+                self.usage = chunk.usage or self.usage
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the request did not end"
+
+
+def _assert_all_gone(server: RemoteServer, timeout_s: float) -> None:
+    left = server.wait_all_gone(timeout_s)
+    assert not left, f"processes left: {[(p.pid, p.cmdline()) for p in left]}\n{server.log}"
+
+
+@pytest.mark.slow
+def test_disconnect_frees_blocks_then_sigterm_drains(make_server) -> None:
+    # 20 blocks of 16 tokens. The hung-up request holds ~7 of them; the probe
+    # needs 15: it can only run if the hung-up request's blocks came back.
+    server = make_server(
+        "--max-model-len", "256", "--num-gpu-blocks-override", "20", "--shutdown-timeout", "60"
+    ).wait_ready()
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        timeout=120,
+        json={"prompt": " hello" * 100, "max_tokens": 150, "ignore_eos": True, "stream": True},
+    ) as r:
+        assert r.status_code == 200
+        events = (line for line in r.iter_lines() if line)  # SSE: blank lines between
+        for _ in range(3):
+            assert next(events).startswith("data: ")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=90)
+    probe = client.completions.create(
+        model=MODEL,
+        prompt=" world" * 230,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert probe.usage is not None and probe.usage.completion_tokens == 8
+
+    # SIGTERM under load: what is running finishes, new work is refused, all exit 0.
+    streams = [StreamInThread(server.url, f"Count to {i}:", 8) for i in range(3)]
+    for s in streams:
+        assert s.first.wait(120)
+    assert not any(s.error for s in streams)
+    server.popen.send_signal(signal.SIGTERM)
+    refused = None
+    deadline = time.monotonic() + 30
+    while refused is None and time.monotonic() < deadline:
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        except httpx.TransportError:
+            break  # already closed: the in-flight checks below still apply
+        if r.status_code == 503:
+            refused = r.json()["error"]
+        time.sleep(0.05)
+    for s in streams:
+        s.join(120)
+        assert s.error is None, repr(s.error)
+        assert s.finish_reason == "length"
+        assert s.usage is not None and s.usage.completion_tokens == 8
+        assert "".join(s.text)
+    assert refused is None or refused["code"] == 503
+    assert server.wait_exit(60) == 0, server.log
+    _assert_all_gone(server, 5)
+
+
+@pytest.mark.slow
+def test_kill9_worker_fails_requests_and_stops_server(make_server) -> None:
+    server = make_server().wait_ready()
+    pids = server.children()
+    streams = [StreamInThread(server.url, f"Story number {i}:", 300) for i in range(2)]
+    for s in streams:
+        assert s.first.wait(120)
+    health: list[int] = []
+
+    def watch_health() -> None:
+        while server.popen.poll() is None:
+            try:
+                health.append(httpx.get(f"{server.url}/health", timeout=5).status_code)
+            except httpx.TransportError:
+                if health and health[-1] == 503:
+                    return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_health, daemon=True)
+    watcher.start()
+    killed_at = time.monotonic()
+    os.kill(pids["worker"], signal.SIGKILL)
+    for s in streams:
+        s.join(60)
+        # The engine's error, sent as an SSE error event: not a dropped connection.
+        assert isinstance(s.error, openai.APIError), repr(s.error)
+        assert not isinstance(s.error, openai.APIConnectionError), repr(s.error)
+        assert "engine stopped" in str(s.error), repr(s.error)
+        assert s.ended_at is not None and s.ended_at - killed_at < 10
+    code = server.wait_exit(60)
+    watcher.join(10)
+    assert code not in (None, 0), server.log
+    assert 503 in health, health
+    assert "worker process died" in server.log
+    _assert_all_gone(server, 5)
+
+
+@pytest.mark.slow
+def test_kill9_launcher_leaves_no_orphans(make_server) -> None:
+    server = make_server().wait_ready()
+    assert set(server.children()) == {
+        "worker",
+        "scheduler",
+        "detokenizer",
+        "tokenizer",
+        "api_server",
+    }
+    os.kill(server.popen.pid, signal.SIGKILL)
+    _assert_all_gone(server, 5)
+
+
+def _wait_for_child(server: RemoteServer, role: str, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert server.popen.poll() is None, server.log
+        pid = server.children().get(role)
+        if pid is not None:
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no {role} process after {timeout_s} s:\n{server.log}")
+
+
+def test_sigterm_during_startup_exits_cleanly(make_server) -> None:
+    server = make_server()
+    _wait_for_child(server, "worker")  # loading the model
+    server.popen.send_signal(signal.SIGTERM)
+    assert server.wait_exit(60) == 0, server.log
+    _assert_all_gone(server, 5)
+
+
+def test_child_death_during_startup_fails_fast(make_server) -> None:
+    server = make_server()
+    os.kill(_wait_for_child(server, "worker"), signal.SIGKILL)
+    assert server.wait_exit(60) == 1, server.log
+    assert "worker process exited with code -9 during start-up" in server.log
+    _assert_all_gone(server, 5)
