@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The OpenAI-compatible server on the default model, on http://127.0.0.1:8000/v1.
+serve: $(STAMP)
+	$(BIN)/actorserve serve $(SERVE_ARGS)
+
 demo: $(STAMP)
 	$(BIN)/actorserve generate "What is the capital of France?" --chat
 

@@ -50,10 +50,9 @@ def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> d
 
 def run_hf(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict:
     import torch
+    from transformers import AutoModelForCausalLM
 
     from services.model_loader import prepare_model
-
-    from transformers import AutoModelForCausalLM
 
     folder = prepare_model(None)
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
@@ -104,19 +103,26 @@ def main() -> None:
 
     vocab = int(load_hf_config(prepare_model(None))["vocab_size"])
     work = make_workload(args, vocab)
-    print(f"{len(work)} requests, {sum(len(w) for w, _ in work)} prompt tokens, "
-          f"{sum(n for _, n in work)} output tokens", file=sys.stderr)
+    print(
+        f"{len(work)} requests, {sum(len(w) for w, _ in work)} prompt tokens, "
+        f"{sum(n for _, n in work)} output tokens",
+        file=sys.stderr,
+    )
     report = {"workload": vars(args) | {"out": str(args.out)}}
     report["actorserve"] = run_engine(args, work)
-    print(f"actorserve: {report['actorserve']['output_tok_s']:.1f} output tok/s "
-          f"({report['actorserve']['seconds']:.1f} s)")
+    print(
+        f"actorserve: {report['actorserve']['output_tok_s']:.1f} output tok/s "
+        f"({report['actorserve']['seconds']:.1f} s)"
+    )
     if not args.skip_hf:
         report["hf_transformers"] = run_hf(args, work)
         ratio = report["actorserve"]["output_tok_s"] / report["hf_transformers"]["output_tok_s"]
         report["ratio"] = ratio
-        print(f"HF transformers (static batches of {args.hf_batch_size}): "
-              f"{report['hf_transformers']['output_tok_s']:.1f} output tok/s "
-              f"({report['hf_transformers']['seconds']:.1f} s)")
+        print(
+            f"HF transformers (static batches of {args.hf_batch_size}): "
+            f"{report['hf_transformers']['output_tok_s']:.1f} output tok/s "
+            f"({report['hf_transformers']['seconds']:.1f} s)"
+        )
         print(f"ratio: {ratio:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -19,9 +19,8 @@ import msgspec
 
 from launch.process import watch_parent
 from services.config import ConfigError, ServeConfig
-from services.ipc import PushSocket, report_ready
+from services.ipc import report_ready
 from services.logging_utils import init_logger
-from services.protocol import Abort, EngineCoreInput
 
 CONTROL_ENV = "ACTORSERVE_CONTROL"
 logger = init_logger(__name__)
@@ -57,7 +56,11 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
     app = build_app(frontend, settings)
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level,
+            app,
+            host=config.host,
+            port=config.port,
+            loop="uvloop",
+            log_level=config.log_level,
             timeout_graceful_shutdown=1,
         )
     )
@@ -65,7 +68,7 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
     # uvicorn >= 0.29 takes SIGINT/SIGTERM in ``capture_signals`` (older ones in
     # ``install_signal_handlers``); either would replace our handlers and make
     # SIGTERM cut in-flight streams after ``timeout_graceful_shutdown``.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
 
     async def drain() -> None:
@@ -80,8 +83,7 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
             await asyncio.sleep(0.05)
         if frontend.num_running:
             logger.warning("shutdown timeout: aborting %d requests", frontend.num_running)
-            with PushSocket[EngineCoreInput](ep.engine_core, EngineCoreInput) as engine:
-                engine.send(Abort(frontend.live_request_ids()))
+            await frontend.abort(frontend.live_request_ids())
             await asyncio.sleep(0.5)  # let the abort deltas reach the clients
         server.should_exit = True
 

@@ -41,7 +41,9 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
         try:
             lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
         except OSError as e:
-            raise ConfigError(f"cannot read --prompts-file: {e.strerror}: {args.prompts_file}") from None
+            raise ConfigError(
+                f"cannot read --prompts-file: {e.strerror}: {args.prompts_file}"
+            ) from None
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise ConfigError("give a prompt, or --prompts-file with one prompt per line")
@@ -106,25 +108,52 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="start the OpenAI-compatible server",
         description="Start the server: api_server, tokenizer, scheduler, worker and detokenizer processes.",
     )
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in the 'model' field (default: the model argument)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in the 'model' field (default: the model argument)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
-    p.add_argument("--max-num-queued-reqs", type=int, default=None,
-                   help="answer 429 while more requests than this wait for the engine")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="answer 429 while more requests than this wait for the engine",
+    )
     p.add_argument("--tokenizer-workers", type=int, default=1)
-    p.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV cache events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557)")
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV cache events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557)",
+    )
     p.add_argument("--uvicorn-log-level", default="warning")
-    p.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between the engine's stats log lines (default 10)")
-    p.add_argument("--disable-log-stats", action="store_true",
-                   help="no stats log line and no engine metrics (vllm:*) per step")
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the engine's stats log lines (default 10)",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no stats log line and no engine metrics (vllm:*) per step",
+    )
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 

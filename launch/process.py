@@ -27,12 +27,21 @@ DEATH_FD_ENV = "ACTORSERVE_DEATH_FD"
 _PR_SET_PDEATHSIG = 1
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def _load_libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
-        pass  # not Linux: the death pipe still guards
+        return None  # not Linux: the death pipe still guards
+
+
+# Loaded here, in the launcher: a dlopen between fork and exec could deadlock on
+# a loader lock held by another launcher thread (ZeroMQ's I/O threads) at fork.
+_LIBC = _load_libc()
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass

@@ -35,8 +35,14 @@ from services.protocol import ApiServerInput, EngineDead, Ready
 logger = init_logger(__name__)
 
 _SOCKETS = (
-    "tokenizer_requests", "api_outputs", "engine_core", "step_plans", "step_results",
-    "detok_tokens", "detok_specs", "control",
+    "tokenizer_requests",
+    "api_outputs",
+    "engine_core",
+    "step_plans",
+    "step_results",
+    "detok_tokens",
+    "detok_specs",
+    "control",
 )
 _POLL_MS = 200
 
@@ -89,9 +95,9 @@ class Launcher:
                 )
             if time.monotonic() > deadline:
                 raise StartupError(f"timed out waiting for {dict(+expected)} to start")
-            msg = self.control.recv(timeout_ms=_POLL_MS)
-            if msg is not None:
-                self._ready.append(msg)
+            ready = self.control.recv(timeout_ms=_POLL_MS)
+            if ready is not None:
+                self._ready.append(ready)
 
     def start(self) -> None:
         self._start("worker", "0")
@@ -119,8 +125,10 @@ class Launcher:
             time.sleep(_POLL_MS / 1000)
 
     def _drain(self, api: Child) -> int:
-        logger.info("shutting down: draining in-flight requests (up to %.0f s)",
-                    self.config.shutdown_timeout)
+        logger.info(
+            "shutting down: draining in-flight requests (up to %.0f s)",
+            self.config.shutdown_timeout,
+        )
         api.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.config.shutdown_timeout + 10
         while api.popen.poll() is None and time.monotonic() < deadline:

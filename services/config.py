@@ -170,7 +170,9 @@ class EngineConfig:
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
         names = cls.flag_names()
-        return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+        return cls.from_kwargs(
+            **{k: v for k, v in vars(args).items() if k in names and v is not None}
+        )
 
     def validate(self) -> None:
         c, s, m = self.cache, self.scheduler, self.model
@@ -205,8 +207,19 @@ class EngineConfig:
             raise ConfigError(
                 f"--scheduling-policy must be fcfs or priority, got {s.scheduling_policy!r}"
             )
-        if m.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16"):
-            raise ConfigError(f"--dtype must be auto, float32, float16 or bfloat16, got {m.dtype!r}")
+        if m.dtype not in (
+            "auto",
+            "float32",
+            "float16",
+            "bfloat16",
+            "half",
+            "float",
+            "bf16",
+            "fp16",
+        ):
+            raise ConfigError(
+                f"--dtype must be auto, float32, float16 or bfloat16, got {m.dtype!r}"
+            )
         if m.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ConfigError(
                 f"--load-format must be auto, gguf, safetensors or dummy, got {m.load_format!r}"
@@ -250,10 +263,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's engine flags, same names and meanings. Defaults live in the dataclasses."""
     bool_flag = argparse.BooleanOptionalAction
     g = parser.add_argument_group("model")
-    g.add_argument("--model", dest="model", default=None,
-                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=None, help="auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16")
-    g.add_argument("--load-format", default=None, help="auto, gguf, safetensors or dummy (random weights)")
+    g.add_argument(
+        "--model",
+        dest="model",
+        default=None,
+        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--dtype", default=None, help="auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"
+    )
+    g.add_argument(
+        "--load-format", default=None, help="auto, gguf, safetensors or dummy (random weights)"
+    )
     g.add_argument("--max-model-len", type=parse_token_count, default=None)
     g.add_argument("--seed", type=int, default=None)
 
@@ -263,8 +284,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching-hash-algo", default=None)
     g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument("--cpu-kv-cache-fraction", type=float, default=None,
-                   help="share of free RAM given to the KV cache on CPU (default 0.25)")
+    g.add_argument(
+        "--cpu-kv-cache-fraction",
+        type=float,
+        default=None,
+        help="share of free RAM given to the KV cache on CPU (default 0.25)",
+    )
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--kv-cache-metrics", action=bool_flag, default=None)
     g.add_argument("--kv-cache-metrics-sample", type=float, default=None)
@@ -279,9 +304,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("worker")
     g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     g.add_argument("--worker-backend", default=None)
-    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
-                   help="default: triton on CUDA, torch on CPU")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads in the worker (CPU)")
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["torch", "triton"],
+        help="default: triton on CUDA, torch on CPU",
+    )
+    g.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads in the worker (CPU)"
+    )
 
 
 @dataclass

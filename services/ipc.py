@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import msgspec
 import zmq
@@ -113,7 +113,7 @@ class _Base(Generic[T]):
     def close(self) -> None:
         self.socket.close(linger=0)
 
-    def __enter__(self) -> _Base[T]:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -170,7 +170,14 @@ class XPubSocket(PubSocket[T]):
 
     _kind = zmq.XPUB
 
-    def __init__(self, endpoint: str, msg_type: Any, *, bind: bool = True, ctx: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        msg_type: Any,
+        *,
+        bind: bool = True,
+        ctx: zmq.Context[Any] | None = None,
+    ) -> None:
         super().__init__(endpoint, msg_type, bind=bind, ctx=ctx)
         self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)
 

@@ -57,7 +57,9 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
         if not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
-            raise bad("top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+            raise bad(
+                "top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}."
+            )
         if not (0.0 <= self.min_p <= 1.0):
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}.")
         if not (-2.0 <= self.presence_penalty <= 2.0):

@@ -132,3 +132,24 @@ class RemoteServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def metric(server: RemoteServer, name: str) -> float | None:
+    """A Prometheus sample from ``/metrics``, summed over label sets; None if not exported."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    ]
+    return sum(values) if values else None
+
+
+def wait_metric(server: RemoteServer, name: str, value: float, timeout_s: float) -> bool:
+    """Poll ``/metrics`` until ``name`` equals ``value``; False if ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while metric(server, name) != value:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

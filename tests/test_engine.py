@@ -60,7 +60,9 @@ def test_heavy_preemption_equals_hf(prefix_caching, greedy_prompts, hf_greedy_to
         assert pool.prefix_cache_stats.hits > before
 
 
-def test_fully_cached_prompt_recomputes_only_last_token(roomy_engine, greedy_prompts, hf_greedy_tokens):
+def test_fully_cached_prompt_recomputes_only_last_token(
+    roomy_engine, greedy_prompts, hf_greedy_tokens
+):
     prompt = greedy_prompts[-1]  # the long prompt, a multiple of no particular block size
     first = roomy_engine.generate([prompt], GREEDY)[0]
     again = roomy_engine.generate([prompt], GREEDY)[0]
@@ -75,7 +77,9 @@ def test_stop_strings_and_max_tokens(roomy_engine):
     )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "."
     assert "." not in out.text and out.text.strip()
-    out = roomy_engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    out = roomy_engine.generate(
+        ["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
     assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].finish_reason == "length"
 
 
@@ -104,8 +108,17 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_generate_chat():
-    res = _cli("generate", "What is the capital of France?", "--chat", "--max-tokens", "16",
-               "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024")
+    res = _cli(
+        "generate",
+        "What is the capital of France?",
+        "--chat",
+        "--max-tokens",
+        "16",
+        "--kv-cache-memory-bytes",
+        "64MiB",
+        "--max-model-len",
+        "1024",
+    )
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
 

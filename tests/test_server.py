@@ -9,7 +9,6 @@ processes, sockets, tokenizer service, detokenizer service or HTTP layer.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,7 +16,7 @@ import openai
 import pytest
 
 from services.engine import LLM, SamplingParams
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, metric, wait_metric
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -229,36 +228,23 @@ def test_32_concurrent_streams(server: RemoteServer, llm: LLM) -> None:
         assert usage.completion_tokens == len(ref.outputs[0].token_ids)  # type: ignore[attr-defined]
 
 
-def _gauge(server: RemoteServer, name: str) -> float | None:
-    """A Prometheus gauge from /metrics, summed over label sets; None if not exported."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    ]
-    return sum(values) if values else None
-
-
 def test_client_disconnect_mid_stream(server: RemoteServer, client: openai.OpenAI) -> None:
+    # Long enough (2000 tokens) that it cannot end by itself within the wait below.
     with httpx.stream(
         "POST",
         f"{server.url}/v1/completions",
         timeout=120,
-        json={"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "stream": True},
+        json={"prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True, "stream": True},
     ) as r:
         assert r.status_code == 200
         events = (line for line in r.iter_lines() if line)  # SSE: blank lines between
         assert next(events).startswith("data: ")  # generating; now hang up
-    # The aborted request no longer holds a sequence slot or KV blocks. With
-    # /metrics gauges exported, watch them drain; either way the server serves on.
-    # (The pool-exhaustion probe for leaked blocks is in test_server_faults.py.)
-    if _gauge(server, "vllm:num_requests_running") is not None:
-        deadline = time.monotonic() + 30
-        while _gauge(server, "vllm:num_requests_running") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _gauge(server, "vllm:num_requests_running") == 0
-        assert _gauge(server, "vllm:kv_cache_usage_perc") == pytest.approx(0.0, abs=1e-6)
+    # The aborted request gives back its sequence slot and its KV blocks. With
+    # the /metrics gauges exported, watch them drain; either way the server
+    # serves on. (The pool-exhaustion probe is in test_server_faults.py.)
+    if metric(server, "vllm:num_requests_running") is not None:
+        assert wait_metric(server, "vllm:num_requests_running", 0.0, timeout_s=10)
+        assert metric(server, "vllm:kv_cache_usage_perc") == pytest.approx(0.0, abs=1e-6)
     resp = client.completions.create(
         model="SmolLM2-135M-Instruct", prompt=PROMPTS[0], max_tokens=2, temperature=0
     )

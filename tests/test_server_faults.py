@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, metric, wait_metric
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -104,6 +104,11 @@ def test_disconnect_frees_blocks_then_sigterm_drains(make_server) -> None:
         events = (line for line in r.iter_lines() if line)  # SSE: blank lines between
         for _ in range(3):
             assert next(events).startswith("data: ")
+    if metric(server, "vllm:num_requests_running") is not None:
+        assert wait_metric(server, "vllm:num_requests_running", 0.0, timeout_s=20)
+        # Cut short by the abort (not finished by itself), so the probe below
+        # tests the abort path's freeing.
+        assert (metric(server, "vllm:generation_tokens_total") or 0) < 150
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=90)
     probe = client.completions.create(
         model=MODEL,
@@ -117,7 +122,7 @@ def test_disconnect_frees_blocks_then_sigterm_drains(make_server) -> None:
     # SIGTERM under load: what is running finishes, new work is refused, all exit 0.
     streams = [StreamInThread(server.url, f"Count to {i}:", 8) for i in range(3)]
     for s in streams:
-        assert s.first.wait(120)
+        assert s.first.wait(120), server.log
     assert not any(s.error for s in streams)
     server.popen.send_signal(signal.SIGTERM)
     refused = None
@@ -147,7 +152,7 @@ def test_kill9_worker_fails_requests_and_stops_server(make_server) -> None:
     pids = server.children()
     streams = [StreamInThread(server.url, f"Story number {i}:", 300) for i in range(2)]
     for s in streams:
-        assert s.first.wait(120)
+        assert s.first.wait(120), server.log
     health: list[int] = []
 
     def watch_health() -> None:

@@ -185,11 +185,12 @@ class EngineFrontend:
                 self._release(req.req_id)
             if unfinished:
                 # May run inside a cancelled scope (client gone): send from a new task.
-                task = asyncio.get_running_loop().create_task(self._abort(sorted(unfinished)))
+                task = asyncio.get_running_loop().create_task(self.abort(sorted(unfinished)))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _abort(self, req_ids: list[str]) -> None:
+    async def abort(self, req_ids: list[str]) -> None:
+        """Tell the scheduler to stop these requests (their clients get a final delta)."""
         await self._engine.send(Abort(req_ids))
 
     async def _call(
