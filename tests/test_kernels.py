@@ -411,7 +411,6 @@ def _greedy(model, prompt: list[int], num_new: int, block_size: int = 16) -> lis
     return tokens[len(prompt) :]
 
 
-@pytest.mark.slow
 def test_default_model_greedy_tokens_match_torch_backend(hf_reference) -> None:
     """SmolLM2-135M (GQA 3, head_dim 64) with the triton backend (interpreted on CPU)
     gives the torch backend's greedy tokens, chunked prefill included."""

@@ -411,7 +411,6 @@ def test_kv_usage_returns_to_zero_when_idle(main: Server) -> None:
     assert value(samples, "vllm:num_requests_waiting") == 0
 
 
-@pytest.mark.slow
 def test_preemption_counted_under_a_tiny_kv_pool(tiny: Server) -> None:
     # 4 usable blocks of 4 tokens: two requests of 5 + 6 tokens (3 blocks each) cannot both fit.
     before = scrape(tiny)

@@ -223,3 +223,23 @@ def test_prefill_logits_match_hf(hf_reference, long_prompt):
     # (rope, mask, GQA mapping, norm) moves logits by > 0.1.
     torch.testing.assert_close(ours, expected, atol=5e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_gguf_and_hf_folder_give_same_logits(hf_reference, long_prompt, tmp_path) -> None:
+    """The same weights through both load paths: our GGUF conversion, and an HF folder that
+    transformers itself saved (config.json in transformers' own format, safetensors)."""
+    from services.config import ModelArchConfig
+    from services.model_loader import iter_weights, load_hf_config, prepare_model
+
+    hf_reference.model.save_pretrained(tmp_path, safe_serialization=True)
+
+    def logits_from(folder) -> torch.Tensor:
+        arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
+        model = LlamaForCausalLM(arch, get_attention_backend("torch")).eval()
+        model.load_weights(iter_weights(folder, torch.float32))
+        return _our_logits(model, long_prompt)
+
+    from_gguf = logits_from(prepare_model(None))
+    from_hf_folder = logits_from(prepare_model(str(tmp_path)))
+    # Same fp32 weights, same code: identical up to summation-order noise.
+    torch.testing.assert_close(from_gguf, from_hf_folder, rtol=0, atol=1e-5)

@@ -87,7 +87,6 @@ def _assert_all_gone(server: RemoteServer, timeout_s: float) -> None:
     assert not left, f"processes left: {[(p.pid, p.cmdline()) for p in left]}\n{server.log}"
 
 
-@pytest.mark.slow
 def test_disconnect_frees_blocks_then_sigterm_drains(make_server) -> None:
     # 20 blocks of 16 tokens. The hung-up request holds ~7 of them; the probe
     # needs 15: it can only run if the hung-up request's blocks came back.
@@ -146,7 +145,6 @@ def test_disconnect_frees_blocks_then_sigterm_drains(make_server) -> None:
     _assert_all_gone(server, 5)
 
 
-@pytest.mark.slow
 def test_kill9_worker_fails_requests_and_stops_server(make_server) -> None:
     server = make_server().wait_ready()
     pids = server.children()
@@ -183,7 +181,6 @@ def test_kill9_worker_fails_requests_and_stops_server(make_server) -> None:
     _assert_all_gone(server, 5)
 
 
-@pytest.mark.slow
 def test_kill9_launcher_leaves_no_orphans(make_server) -> None:
     server = make_server().wait_ready()
     assert set(server.children()) == {
