@@ -1,8 +1,13 @@
 """Forward-pass speed of the default model: decode steps at batch 1/16/64 and prefill
-tokens/s, each with achieved GFLOP/s beside a plain fp32 matmul's in the same run.
+tokens/s, each with achieved GFLOP/s beside a plain fp32 matmul's in the same run; then
+whole ``ModelRunner.execute`` decode steps (metadata, forward, LM head, greedy sampler)
+of a W1-like batch (``--runner-batch`` requests, ``--runner-prompt`` prompt tokens).
 
     .venv/bin/python -m bench.forward [--device cpu|cuda] [--threads N] [--context 512]
+    .venv/bin/python -m bench.forward --profile 16   # torch.profiler table of one decode step
 
+Times are medians of per-call times (``--stat min`` for the least disturbed call:
+steadier when other processes load a shared machine).
 FLOPs = 2 * linear params * tokens (+ the LM head on sampled rows) + attention
 (QK^T and PV: 4 * heads * head_dim per query per context position).
 """
@@ -10,7 +15,9 @@ FLOPs = 2 * linear params * tokens (+ the LM head on sampled rows) + attention
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,6 +25,7 @@ import torch
 from services.config import EngineConfig, ModelArchConfig
 from services.gpu_worker.model_runner import ModelRunner, build_attention_metadata
 from services.model_loader import load_hf_config, prepare_model
+from services.protocol import NewRequest, RunningRequestDelta, SamplingParams, StepPlan
 
 
 def _sync(device: torch.device) -> None:
@@ -25,16 +33,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, min_time: float = 1.0, min_iters: int = 3) -> float:
-    """Median-free but warm: seconds per call after one warm-up call."""
+_STATS = {"median": np.median, "min": np.min}
+_stat = _STATS["median"]
+
+
+def _timed(fn, device: torch.device, min_time: float = 1.0, min_iters: int = 5) -> float:
+    """Seconds per call (median, or ``--stat``) after one warm-up call."""
     fn()
     _sync(device)
-    iters, start = 0, time.perf_counter()
-    while iters < min_iters or time.perf_counter() - start < min_time:
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_iters or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
         fn()
-        iters += 1
-    _sync(device)
-    return (time.perf_counter() - start) / iters
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return float(_stat(times))
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
@@ -57,9 +71,9 @@ def step_flops(arch: ModelArchConfig, q_lens: np.ndarray, ctx: np.ndarray, sampl
     return linear + lm_head + attn
 
 
-def bench_step(runner: ModelRunner, q_lens: np.ndarray, ctx: np.ndarray) -> tuple[float, float]:
-    """(seconds per step, FLOPs per step) for requests with ``ctx`` cached tokens each
-    computing ``q_lens`` new ones; every request samples one row."""
+def make_step(runner: ModelRunner, q_lens: np.ndarray, ctx: np.ndarray) -> Callable[[], None]:
+    """One forward + LM head of requests with ``ctx`` cached tokens each computing
+    ``q_lens`` new ones; every request samples one row."""
     bs, device = runner.block_size, runner.device
     blocks = -(-(ctx + q_lens) // bs)
     table = np.zeros((len(q_lens), int(blocks.max())), dtype=np.int32)
@@ -80,7 +94,60 @@ def bench_step(runner: ModelRunner, q_lens: np.ndarray, ctx: np.ndarray) -> tupl
             hidden = runner.model(ids, pos, meta, runner.kv_caches)
             runner.model.compute_logits(hidden[last])
 
-    return _timed(step, device), step_flops(runner.arch, q_lens, ctx, len(q_lens))
+    return step
+
+
+def bench_step(runner: ModelRunner, q_lens: np.ndarray, ctx: np.ndarray) -> tuple[float, float]:
+    """(seconds per ``make_step`` step, FLOPs per step)."""
+    step = make_step(runner, q_lens, ctx)
+    return _timed(step, runner.device), step_flops(runner.arch, q_lens, ctx, len(q_lens))
+
+
+def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
+    """Print torch.profiler's op table for one decode step of ``batch`` requests."""
+    step = make_step(runner, np.ones(batch, dtype=np.int64), np.full(batch, context))
+    step()
+    with torch.profiler.profile() as prof:
+        step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def bench_runner_decode(
+    runner: ModelRunner, batch: int, prompt_len: int, steps: int
+) -> tuple[float, float]:
+    """(seconds per ``execute`` decode step (median, or ``--stat``), seconds per prefill token) for
+    ``batch`` greedy requests of ``prompt_len`` random tokens, each prefilled alone."""
+    bs, vocab = runner.block_size, runner.arch.vocab_size
+    max_len = prompt_len + steps + 1
+    per_req = -(-max_len // bs)
+    if batch * per_req > runner.num_blocks:
+        runner.initialize_kv_cache(batch * per_req)
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    ids = [f"r{i}" for i in range(batch)]
+    step_id = 0
+
+    def execute(plan: StepPlan) -> None:
+        nonlocal step_id
+        step_id += 1
+        runner.execute(plan)
+
+    start = time.perf_counter()
+    for i, req_id in enumerate(ids):
+        prompt = rng.integers(0, vocab, prompt_len).tolist()
+        blocks = list(range(i * per_req, (i + 1) * per_req))
+        new = NewRequest(req_id, prompt, prompt_len, greedy, blocks, 0)
+        execute(StepPlan(step_id, new_requests=[new], num_scheduled_tokens=[prompt_len]))
+    prefill = (time.perf_counter() - start) / (batch * prompt_len)
+    times = []
+    for k in range(steps):
+        running = [RunningRequestDelta(r, [], prompt_len + k) for r in ids]
+        t0 = time.perf_counter()
+        execute(StepPlan(step_id, running=running, num_scheduled_tokens=[1] * batch))
+        _sync(runner.device)
+        times.append(time.perf_counter() - t0)
+    execute(StepPlan(step_id, finished_req_ids=ids))
+    return float(_stat(times)), prefill
 
 
 def main() -> None:
@@ -91,7 +158,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="cached tokens per decode request")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens per prefill step")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--runner-batch", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--runner-prompt", type=int, default=256)
+    parser.add_argument("--runner-steps", type=int, default=64)
+    parser.add_argument("--stat", choices=sorted(_STATS), default="median")
+    parser.add_argument("--profile", type=int, metavar="BATCH", help="profile one decode step")
     args = parser.parse_args()
+    global _stat
+    _stat = _STATS[args.stat]
     folder = prepare_model(None)
     arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
     config = EngineConfig.from_kwargs(
@@ -102,9 +176,13 @@ def main() -> None:
     runner = ModelRunner(config, folder)
     runner.initialize_kv_cache(1)
     device = runner.device
+    if args.profile is not None:
+        profile_decode(runner, args.profile, args.context)
+        return
     base = matmul_gflops(device, torch.float32)
     print(f"device={device} dtype={runner.dtype} threads={torch.get_num_threads()} "
-          f"attention={runner.attn_backend.name}")  # fmt: skip
+          f"attention={runner.attn_backend.name} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")  # fmt: skip
     print(f"plain torch.float32 2048^3 matmul: {base:8.1f} GFLOP/s")
     if runner.dtype != torch.float32:
         print(
@@ -120,6 +198,11 @@ def main() -> None:
     print(f"prefill {args.prefill} tokens:        {sec * 1e3:8.2f} ms/step "
           f"{args.prefill / sec:9.1f} tok/s {flops / sec / 1e9:8.1f} GFLOP/s "
           f"({100 * flops / sec / 1e9 / base:.0f}% of matmul)")  # fmt: skip
+    for batch in args.runner_batch:
+        sec, prefill = bench_runner_decode(runner, batch, args.runner_prompt, args.runner_steps)
+        print(f"runner: {batch:3d} x {args.runner_prompt}-token prompts: prefill "
+              f"{1 / prefill:7.1f} tok/s; decode {sec * 1e3:7.2f} ms/step ({args.stat} of "
+              f"{args.runner_steps}) {batch / sec:7.1f} tok/s")  # fmt: skip
 
 
 if __name__ == "__main__":

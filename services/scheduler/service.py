@@ -9,6 +9,7 @@ StepResult -> update -> push the step's tokens to the detokenizer in one batch.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -63,6 +64,8 @@ class EngineCore:
         self._input_endpoint = ep.engine_core
         self._bound = threading.Event()
         self._num_worker_ranks = num_worker_ranks
+        # ACTORSERVE_LOGGING_LEVEL=DEBUG turns on the idle-time integrity check of the KV cache.
+        self._debug = logger.isEnabledFor(logging.DEBUG)
         threading.Thread(target=self._input_loop, name="scheduler-input", daemon=True).start()
 
     def _input_loop(self) -> None:
@@ -87,6 +90,9 @@ class EngineCore:
         while True:
             idle = not sched.has_unfinished_requests() and not sched.has_finished_requests()
             if idle:
+                if self._debug:
+                    # Idle is the one moment the whole pool must add up: check it.
+                    sched.check_integrity()
                 msg = self.metrics.wait_idle(self._inputs)  # flushes gauges, logs stats when due
                 if msg is None:
                     continue

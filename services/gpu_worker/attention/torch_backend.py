@@ -24,13 +24,30 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    write: tuple[torch.Tensor | None, torch.Tensor] | None = None,
 ) -> None:
-    """Write each token's K/V to its cache slot; tokens with slot -1 (padding) are skipped."""
+    """Write each token's K/V to its cache slot; tokens with slot -1 (padding) are skipped.
+
+    ``write`` is ``_write_indices(slot_mapping)``, passed when it was computed once per step.
+    """
+    rows, slots = write if write is not None else _write_indices(slot_mapping)
     num_kv_heads, head_dim = key_cache.shape[2:]
+    if rows is not None:
+        key, value = key.index_select(0, rows), value.index_select(0, rows)
+    else:
+        n = slots.shape[0]
+        key, value = key[:n], value[:n]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def _write_indices(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(token rows to write, or None for rows 0..n-1, their slots) for ``slot_mapping``."""
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    key_cache.view(-1, num_kv_heads, head_dim)[slots] = key[: slot_mapping.shape[0]][valid]
-    value_cache.view(-1, num_kv_heads, head_dim)[slots] = value[: slot_mapping.shape[0]][valid]
+    if bool(valid.all()):  # the usual case: no padding token
+        return None, slot_mapping
+    rows = torch.nonzero(valid).flatten()
+    return rows, slot_mapping[rows]
 
 
 @dataclass
@@ -90,7 +107,15 @@ def _build_group(
     )
 
 
-def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
+@dataclass
+class _Plan:
+    """What every layer reuses in one step: cache-write indices and the groups."""
+
+    write: tuple[torch.Tensor | None, torch.Tensor]
+    groups: list[_Group]
+
+
+def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
     q_lens = meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
     decode = q_lens == 1
     if bool(decode.all()) or not bool(decode.any()):
@@ -115,12 +140,17 @@ class TorchAttentionBackend(AttentionBackend):
         attn_meta: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
-        reshape_and_cache(key, value, key_cache, value_cache, attn_meta.slot_mapping)
-        groups = attn_meta.backend_state.get(self.name)
-        if groups is None:
-            groups = _plan(attn_meta, key_cache.shape[1])
-            attn_meta.backend_state[self.name] = groups
-        out = torch.zeros_like(query)
+        plan = attn_meta.backend_state.get(self.name)
+        if plan is None:
+            plan = _Plan(
+                _write_indices(attn_meta.slot_mapping), _plan_groups(attn_meta, key_cache.shape[1])
+            )
+            attn_meta.backend_state[self.name] = plan
+        reshape_and_cache(
+            key, value, key_cache, value_cache, attn_meta.slot_mapping, write=plan.write
+        )
+        groups = plan.groups
+        out = None if len(groups) == 1 and groups[0].token_idx is None else torch.zeros_like(query)
         for g in groups:
             num_tokens = g.req_of_token.shape[0]
             q = query[:num_tokens] if g.token_idx is None else query[g.token_idx]
@@ -142,11 +172,19 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             ).transpose(1, 2)
-            o = o[g.req_of_token, g.pos_in_req]
+            if g.max_q == 1 or g.num_reqs == 1:  # no padding rows: a reshape, not a gather
+                o = o.reshape(num_tokens, self.num_heads, self.head_dim)
+            else:
+                o = o[g.req_of_token, g.pos_in_req]
+            if out is None:  # the group is the whole batch
+                if num_tokens == query.shape[0]:
+                    return o
+                out = torch.zeros_like(query)
             if g.token_idx is None:
                 out[:num_tokens] = o
             else:
                 out[g.token_idx] = o
+        assert out is not None
         return out
 
     def _gather(self, cache: torch.Tensor, g: _Group, out: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Building blocks of Llama-family decoders: RMSNorm, SwiGLU activation, rotary embedding.
+"""Building blocks of Llama-family decoders: linear layers, RMSNorm, SwiGLU activation,
+rotary embedding.
 
 Numerics follow HF transformers (norm statistics and rotary angles in fp32) so
-fp32 outputs match the HF reference to rounding.
+fp32 outputs match the HF reference to rounding. Decode on CPU is a few hundred
+small ops per step, so each block is written as few ops as possible (see
+bench/RESULTS.md, "Forward pass").
 """
 
 from __future__ import annotations
@@ -12,6 +15,64 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# oneDNN's fp32 inner-product kernel (what torch.compile emits for CPU linears), on a
+# weight reordered once into its blocked layout, beats MKL's sgemm behind F.linear
+# 1.1-1.6x at decode's small token counts (bench/RESULTS.md). Private ops, so
+# resolved once and optional; they have no autograd formula (inference only).
+try:
+    _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
+    _onednn_reorder = torch.ops.mkldnn._reorder_linear_weight.default
+except (AttributeError, RuntimeError):
+    _onednn_linear = _onednn_reorder = None
+_USE_ONEDNN = _onednn_linear is not None and torch.backends.mkldnn.is_available()
+# Token count the blocked layout is tuned for; measured as good from 1 to 512 tokens.
+_PACK_BATCH_HINT = 64
+
+
+def _onednn_applies(x: torch.Tensor) -> bool:
+    return (
+        _USE_ONEDNN
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+    )
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of an fp32 CPU ``weight`` for ``linear``; None elsewhere."""
+    if not _USE_ONEDNN or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return _onednn_reorder(weight.detach(), _PACK_BATCH_HINT)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear``; through oneDNN (on ``packed = pack_linear_weight(weight)`` if given)
+    for fp32 CPU inference."""
+    if _onednn_applies(x):
+        return _onednn_linear(x, weight if packed is None else packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) computed by ``linear`` above.
+
+    ``process_weights_after_loading()`` (re)builds the packed copy of the weight; call
+    it whenever the weight changes. Until then the plain weight is used.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        self.packed_weight = pack_linear_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +87,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # Same math as below when no cast is involved, in one dispatch instead of seven.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -70,10 +134,12 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding applied in place of q and k by position.
+    """Neox-style (rotate-half) rotary embedding.
 
-    The cos/sin table is built lazily on the positions' device, so the module can
-    be created on the meta device and materialised later.
+    ``cos_sin(positions, dtype)`` gathers a step's table rows once (the model shares
+    them with every layer); ``forward(x, cos, sin)`` rotates ``x`` [T, heads, D], where
+    q and k heads may be stacked into one tensor. The table is built lazily on the
+    positions' device, so the module can be created on the meta device.
     """
 
     def __init__(
@@ -85,25 +151,24 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         _inv_freq(head_dim, theta, scaling)  # reject bad rope_scaling at construction
-        self._cos_sin: torch.Tensor | None = None
+        # [max_positions, 2, head_dim]: (cos | cos) and (-sin | sin), so that
+        # rotate(x) = x * cos + cat(x2, x1) * sin in two fused ops.
+        self._table: torch.Tensor | None = None
 
-    def _table(self, device: torch.device) -> torch.Tensor:
-        if self._cos_sin is None or self._cos_sin.device != device:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin: [T, 1, head_dim] in ``dtype`` (angles computed in fp32)."""
+        if self._table is None or self._table.device != positions.device:
             inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
-            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
-        return self._cos_sin
+            cos, sin = freqs.cos(), freqs.sin()
+            table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)
+            self._table = table.to(positions.device)
+        rows = self._table[positions].to(dtype)
+        return rows[:, 0:1], rows[:, 1:2]
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, D], k: [T, kv_heads, D] -> rotated (same shapes and dtype)."""
-        cos, sin = self._table(q.device)[positions].chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] -> rotated copy of the same shape."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.addcmul(x * cos, torch.cat([x2, x1], dim=-1), sin)

@@ -3,7 +3,8 @@
 The variants differ only in flags of ``ModelArchConfig``: q/k/v bias (Qwen2),
 RMSNorm on q and k per head (Qwen3), tied embeddings, GQA ratio, rope scaling.
 Projections are fused as in vLLM (``qkv_proj``, ``gate_up_proj``) and
-``load_weights`` maps HF checkpoint names onto them.
+``load_weights`` maps HF checkpoint names onto them. One ``RotaryEmbedding`` is
+shared by the layers, its cos/sin rows gathered once per step.
 
 ``forward`` runs a flattened varlen batch (prefill chunks and decode tokens mixed)
 and returns the final-normed hidden states; ``compute_logits`` projects only the
@@ -19,7 +20,14 @@ from torch import nn
 
 from services.config import ModelArchConfig
 from services.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache
-from services.gpu_worker.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from services.gpu_worker.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    linear,
+    pack_linear_weight,
+    silu_and_mul,
+)
 
 # (fused param, HF name, shard): HF's separate projections land in slices of the fused ones.
 _STACKED_PARAMS = (
@@ -33,22 +41,23 @@ _STACKED_PARAMS = (
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, attn_backend: type[AttentionBackend], max_positions: int
+        self,
+        arch: ModelArchConfig,
+        attn_backend: type[AttentionBackend],
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
-        )
+        self.rotary_emb = rotary_emb
         self.attn = attn_backend(
             self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5
         )
@@ -60,19 +69,20 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         kv_cache: KVCache,
         attn_meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, head_dim = hidden.shape[0], self.head_dim
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, head_dim)
+        # Heads stay strided views of the fused output: q and k rotate in one pass.
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = self.rotary_emb(qk, *cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn.forward(q, k, v, kv_cache, attn_meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -81,8 +91,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -90,17 +100,20 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, attn_backend: type[AttentionBackend], max_positions: int
+        self,
+        arch: ModelArchConfig,
+        attn_backend: type[AttentionBackend],
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, attn_backend, max_positions)
+        self.self_attn = LlamaAttention(arch, attn_backend, rotary_emb)
         self.mlp = LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: KVCache,
@@ -110,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_meta)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, attn_meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -121,8 +134,11 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attn_backend, max_positions)
+            LlamaDecoderLayer(arch, attn_backend, self.rotary_emb)
             for _ in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -135,8 +151,9 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_meta)
+            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, attn_meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -147,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids[T], positions[T], attn_meta, kv_caches) -> hidden[T, H]``
     (final-normed); ``compute_logits(hidden[N, H]) -> logits[N, vocab]`` in fp32;
     ``load_weights`` takes (HF name, tensor) pairs and raises ``ValueError`` on an
-    unknown name or a parameter left unloaded.
+    unknown name or a parameter left unloaded; it then re-packs the linear weights
+    for the CPU kernels (``process_weights_after_loading``).
     """
 
     def __init__(
@@ -162,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if arch.tie_word_embeddings
-            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         )
+        self._tied_lm_head: torch.Tensor | None = None  # packed embedding, when tied
 
     def forward(
         self,
@@ -175,8 +194,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.model.embed_tokens.weight, packed=self._tied_lm_head).float()
+
+    def process_weights_after_loading(self) -> None:
+        """Repack every linear weight (and the tied LM head) for the CPU kernels."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        if self.lm_head is None:
+            self._tied_lm_head = pack_linear_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -209,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        self.process_weights_after_loading()
 
     def _shard_range(self, name: str, shard: str | int) -> tuple[int, int]:
         layer = self.model.layers[int(name.split(".")[2])]
