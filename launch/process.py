@@ -83,8 +83,11 @@ class ProcessGroup:
             start_new_session=False,
         )
         assert popen.stdin is not None
-        popen.stdin.write(config_json)
-        popen.stdin.close()
+        try:
+            popen.stdin.write(config_json)
+            popen.stdin.close()
+        except BrokenPipeError:
+            pass  # it died before reading its configuration: first_dead() reports it
         child = Child(name, popen)
         self.children.append(child)
         return child

@@ -20,6 +20,8 @@ from torch import nn
 # weight reordered once into its blocked layout, beats MKL's sgemm behind F.linear
 # 1.1-1.6x at decode's small token counts (bench/RESULTS.md). Private ops, so
 # resolved once and optional; they have no autograd formula (inference only).
+_onednn_linear: Any
+_onednn_reorder: Any
 try:
     _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
     _onednn_reorder = torch.ops.mkldnn._reorder_linear_weight.default
