@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.config import EngineConfig, ModelArchConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.gpu_worker.model_runner import ModelRunner
@@ -252,7 +254,5 @@ class LLM:
     @staticmethod
     def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
         """A copy per sequence; with n > 1 and a seed, sequence i uses seed + i (as vLLM)."""
-        import msgspec
-
         seed = sp.seed + index if (sp.seed is not None and sp.n > 1) else sp.seed
         return msgspec.structs.replace(sp, n=1, seed=seed)
