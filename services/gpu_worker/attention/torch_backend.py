@@ -1,4 +1,4 @@
-"""Paged attention in plain torch: the reference backend, correct on CPU and CUDA.
+"""Paged attention with torch ops: the reference backend, and the CPU default.
 
 Per step (once, shared by all layers) the batch is split into at most two groups,
 decode rows (one query token) and prefill rows, so a long prefill chunk does not
@@ -6,6 +6,12 @@ pad every decode row to its length. Per layer and group: gather the group's K/V
 from the paged cache through the block table into [B, S, kv_heads, D], scatter its
 queries into [B, max_q, heads, D], and run one ``scaled_dot_product_attention``
 with a causal + length mask. No Python loop over tokens or requests.
+
+On CPU, decode rows instead go to a C++ op that reads the paged cache in place
+(``kernels.cpu``), as vLLM's CPU backend pairs SDPA for prefill with a C++
+paged-attention decode kernel: the gather, which copies every request's whole
+context each layer, was most of a decode step. ``ACTORSERVE_CPU_KERNELS=0`` (or no
+C++ compiler) keeps the pure-torch path.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, KVCache
+
+_KERNEL_HEAD_DIMS = (64, 128)
 
 
 def reshape_and_cache(
@@ -108,28 +116,75 @@ def _build_group(
 
 
 @dataclass
+class _DecodeRows:
+    """Decode rows for the C++ op: query row, request and context length of each."""
+
+    rows: torch.Tensor  # int64
+    reqs: torch.Tensor  # int64
+    ctx_lens: torch.Tensor  # int64
+    whole_batch: bool  # every real token of the batch is one of these rows
+
+
+@dataclass
 class _Plan:
-    """What every layer reuses in one step: cache-write indices and the groups."""
+    """What every layer reuses in one step: cache-write indices, the C++ op's decode
+    rows (None when SDPA does them) and the SDPA groups."""
 
     write: tuple[torch.Tensor | None, torch.Tensor]
+    decode: _DecodeRows | None
     groups: list[_Group]
 
 
-def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
-    q_lens = meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
-    decode = q_lens == 1
-    if bool(decode.all()) or not bool(decode.any()):
-        return [_build_group(meta, None, block_size, whole_batch=True)]
-    return [
+def _plan(meta: AttentionMetadata, block_size: int, use_kernel: bool) -> _Plan:
+    write = _write_indices(meta.slot_mapping)
+    qsl = meta.query_start_loc_cpu.long()
+    decode = (qsl[1:] - qsl[:-1]) == 1
+    all_decode, any_decode = bool(decode.all()), bool(decode.any())
+    if use_kernel and any_decode:
+        reqs = torch.nonzero(decode).flatten()
+        rows = _DecodeRows(qsl[reqs], reqs, meta.seq_lens_cpu.long()[reqs], all_decode)
+        prefill = [] if all_decode else [torch.nonzero(~decode).flatten()]
+        groups = [_build_group(meta, r, block_size, whole_batch=False) for r in prefill]
+        return _Plan(write, rows, groups)
+    if all_decode or not any_decode:
+        return _Plan(write, None, [_build_group(meta, None, block_size, whole_batch=True)])
+    groups = [
         _build_group(meta, torch.nonzero(decode).flatten(), block_size, whole_batch=False),
         _build_group(meta, torch.nonzero(~decode).flatten(), block_size, whole_batch=False),
     ]
+    return _Plan(write, None, groups)
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Reference paged attention with ``scaled_dot_product_attention``; see the module doc."""
 
     name = "torch"
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        use_cpu_kernel: bool | None = None,
+    ) -> None:
+        """``use_cpu_kernel``: False forces SDPA for every row; None (default) uses the
+        C++ decode op on CPU when it builds."""
+        super().__init__(num_heads, head_dim, num_kv_heads, scale)
+        self._want_kernel = use_cpu_kernel is not False
+        self._kernel: bool | None = None  # decided on the first forward
+
+    def _use_kernel(self, query: torch.Tensor) -> bool:
+        if self._kernel is None:
+            from kernels.cpu import load_cpu_ops
+
+            self._kernel = (
+                self._want_kernel
+                and query.device.type == "cpu"
+                and self.head_dim in _KERNEL_HEAD_DIMS
+                and load_cpu_ops()
+            )
+        return self._kernel
 
     def forward(
         self,
@@ -142,15 +197,24 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache
         plan = attn_meta.backend_state.get(self.name)
         if plan is None:
-            plan = _Plan(
-                _write_indices(attn_meta.slot_mapping), _plan_groups(attn_meta, key_cache.shape[1])
-            )
+            plan = _plan(attn_meta, key_cache.shape[1], self._use_kernel(query))
             attn_meta.backend_state[self.name] = plan
         reshape_and_cache(
             key, value, key_cache, value_cache, attn_meta.slot_mapping, write=plan.write
         )
         groups = plan.groups
         out = None if len(groups) == 1 and groups[0].token_idx is None else torch.zeros_like(query)
+        if plan.decode is not None:
+            from kernels.cpu import paged_attention_rows
+
+            assert out is not None
+            d = plan.decode
+            paged_attention_rows(
+                out, query, key_cache, value_cache, attn_meta.block_table,
+                d.rows, d.reqs, d.ctx_lens, self.scale,
+            )  # fmt: skip
+            if d.whole_batch:
+                return out
         for g in groups:
             num_tokens = g.req_of_token.shape[0]
             q = query[:num_tokens] if g.token_idx is None else query[g.token_idx]

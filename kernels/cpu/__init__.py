@@ -1,0 +1,82 @@
+"""C++ kernels for CPU workers, built on first use with torch's extension builder.
+
+``paged_attention_rows`` reads the paged KV cache in place (see
+``paged_attention.cpp``); the torch attention backend uses it for decode rows, as
+vLLM's CPU backend pairs SDPA for prefill with a C++ paged-attention decode kernel.
+The op is compiled once per machine (about a minute; ``make install`` does it ahead)
+into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``). Without a C++ compiler, or with
+``ACTORSERVE_CPU_KERNELS=0``, ``load_cpu_ops()`` returns False and callers fall back to
+plain torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from services.logging_utils import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
+
+
+@functools.cache
+def load_cpu_ops() -> bool:
+    """Build (once) and load the ops into ``torch.ops.actorserve_cpu``; True on success."""
+    if os.environ.get("ACTORSERVE_CPU_KERNELS", "1") == "0":
+        return False
+    # The `ninja` wheel puts its binary beside the interpreter, which is not on PATH
+    # unless the venv is activated; torch's builder looks for it on PATH.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="actorserve_cpu_ops",
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a build error: plain torch still works
+        errors = [line for line in str(e).splitlines() if "error" in line.lower()]
+        logger.warning(
+            "CPU attention kernels unavailable (%s); using the SDPA path",
+            errors[0] if errors else type(e).__name__,
+        )
+        logger.debug("C++ build output:\n%s", e)
+        return False
+    return True
+
+
+def paged_attention_rows(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    reqs: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """out[rows[i]] = attention of query[rows[i]] over the first ctx_lens[i] cached
+    positions of request reqs[i] (its row of ``block_table``), for every i.
+
+    ``query``/``out`` [T, heads, D] (last dim contiguous), caches [blocks, block_size,
+    kv_heads, D] contiguous, ``block_table`` int32, the index tensors int64. D is 64 or 128.
+    Requires ``load_cpu_ops()`` to have returned True.
+    """
+    torch.ops.actorserve_cpu.paged_attention_rows(
+        out, query, key_cache, value_cache, block_table, rows, reqs, ctx_lens, scale
+    )

@@ -1,0 +1,196 @@
+// Paged attention over the KV cache in place, for CPUs: one query token per row.
+//
+// Each output row is one query token of a varlen batch: it attends to the first
+// ctx_lens[i] positions of request reqs[i], read through that request's row of the
+// block table straight from the paged cache. Nothing is gathered into a contiguous
+// copy first, which is what the SDPA path must do and what dominates its decode step.
+//
+// One task per row, so a row's K/V slots are read front to back, all KV heads at once
+// (per-(row, head) tasks read a third of every slot and streamed at a third of the
+// bandwidth). Two passes instead of an online softmax: all scores of a row fit in
+// L1/L2. Pass 1 takes 16 positions at a time and reduces their 16 dot products with
+// one shuffle tree instead of 16 horizontal sums (the sums were most of the
+// instructions); pass 2 keeps each head's accumulator in registers.
+//
+// Vectors are GCC vector extensions (16 floats), so the code is portable and the
+// compiler picks AVX-512, AVX2 or SSE for the machine (-march=native).
+//
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+// query/out: [T, num_heads, head_dim] with a contiguous last dimension (any other
+// strides, so a view into a fused qkv projection works). Accumulation is fp32 for
+// every cache dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int W = 16;  // floats per vector, and positions per pass-1 tile
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int vi __attribute__((vector_size(W * sizeof(int))));
+
+template <typename scalar_t>
+inline vf load_vec(const scalar_t* p) {
+  vf v;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]);
+  }
+  return v;
+}
+
+// Lanes j of the result = sum of the lanes of a[j], for 16 vectors a[0..15]: a tree of
+// folds, each adding the two halves of pairs of vectors (15 adds, 30 shuffles in all).
+inline vf sum16(vf a[W]) {
+  vf b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(a[2 * j], a[2 * j + 1], vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  // b[j]: lanes 0-7 partials of a[2j], 8-15 of a[2j+1].
+  for (int j = 0; j < 4; ++j)
+    c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+           __builtin_shuffle(b[2 * j], b[2 * j + 1], vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  // c[j]: 4 lanes each of a[4j], a[4j+2], a[4j+1], a[4j+3].
+  for (int j = 0; j < 2; ++j)
+    d[j] = __builtin_shuffle(c[2 * j], c[2 * j + 1], vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+           __builtin_shuffle(c[2 * j], c[2 * j + 1], vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  // d[j]: pairs of a[8j + {0, 4, 2, 6, 1, 5, 3, 7}].
+  vf e = __builtin_shuffle(d[0], d[1], vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+         __builtin_shuffle(d[0], d[1], vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+  // e: a[{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15}]; put them in order.
+  return __builtin_shuffle(e, vi{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+}
+
+template <typename scalar_t, int D>
+void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const at::Tensor& block_table,
+                 const int64_t* rows, const int64_t* reqs, const int64_t* ctx_lens,
+                 int64_t num_rows, double scale) {
+  constexpr int C = D / W;  // vectors per head
+  const int64_t num_heads = query.size(1);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t tok_stride = num_kv_heads * D;  // between consecutive cache slots
+  const int64_t q_stride0 = query.stride(0), q_stride1 = query.stride(1);
+  const int64_t o_stride0 = out.stride(0), o_stride1 = out.stride(1);
+  const int64_t bt_stride = block_table.stride(0);
+  const scalar_t* q_base = query.data_ptr<scalar_t>();
+  scalar_t* o_base = out.data_ptr<scalar_t>();
+  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
+  const int32_t* bt_base = block_table.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vf> q(num_heads * C);
+    std::vector<float> inv_sum(num_heads), scores;
+    std::vector<int64_t> slot;  // element offset of each position's cache slot
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t len = ctx_lens[i], padded = (len + W - 1) / W * W;
+      const int32_t* table = bt_base + reqs[i] * bt_stride;
+      scores.resize(num_heads * padded);
+      slot.resize(padded);
+      for (int64_t t = 0; t < len; ++t)
+        slot[t] = (int64_t(table[t / block_size]) * block_size + t % block_size) * tok_stride;
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int c = 0; c < C; ++c)
+          q[h * C + c] = load_vec(q_base + rows[i] * q_stride0 + h * q_stride1 + c * W) * fscale;
+
+      // Pass 1: scores[h][t] = q_h . k_t, W positions at a time.
+      for (int64_t t0 = 0; t0 < len; t0 += W) {
+        const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const vf* qh = q.data() + h * C;
+            vf a[W];
+            for (int j = 0; j < W; ++j) {
+              vf s = {};
+              if (j < n) {
+                const scalar_t* k = k_base + slot[t0 + j] + kvh * D;
+                for (int c = 0; c < C; ++c) s += qh[c] * load_vec(k + c * W);
+              }
+              a[j] = s;
+            }
+            vf s = sum16(a);
+            std::memcpy(scores.data() + h * padded + t0, &s, sizeof(s));
+          }
+        }
+      }
+      // Softmax per query head, normalised at the end.
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* sh = scores.data() + h * padded;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, sh[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          sh[t] = std::exp(sh[t] - m);
+          sum += sh[t];
+        }
+        inv_sum[h] = 1.f / sum;
+      }
+      // Pass 2: out_h = sum_t p[h][t] * v_t, the accumulator in registers.
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* ph = scores.data() + h * padded;
+        const scalar_t* vh = v_base + (h / group) * D;
+        vf acc[C] = {};
+        for (int64_t t = 0; t < len; ++t) {
+          const scalar_t* v = vh + slot[t];
+          for (int c = 0; c < C; ++c) acc[c] += ph[t] * load_vec(v + c * W);
+        }
+        scalar_t* dst = o_base + rows[i] * o_stride0 + h * o_stride1;
+        for (int c = 0; c < C; ++c)
+          for (int j = 0; j < W; ++j) dst[c * W + j] = static_cast<scalar_t>(acc[c][j] * inv_sum[h]);
+      }
+    }
+  });
+}
+
+void paged_attention_rows(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_table,
+                          const at::Tensor& rows, const at::Tensor& reqs,
+                          const at::Tensor& ctx_lens, double scale) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV cache must be contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), "bad KV cache shape");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && query.stride(2) == 1 && out.stride(2) == 1,
+              "query/out must be [T, heads, head_dim] with a contiguous last dimension");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, out and the KV cache must share a dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32 rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && reqs.scalar_type() == at::kLong &&
+                  ctx_lens.scalar_type() == at::kLong && rows.is_contiguous() && reqs.is_contiguous() &&
+                  ctx_lens.is_contiguous(),
+              "rows, reqs and ctx_lens must be contiguous int64");
+  const int64_t n = rows.numel();
+  TORCH_CHECK(reqs.numel() == n && ctx_lens.numel() == n, "rows, reqs and ctx_lens differ in length");
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "head_dim differs between query and cache");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_rows", [&] {
+    const int64_t *r = rows.data_ptr<int64_t>(), *q = reqs.data_ptr<int64_t>(), *c = ctx_lens.data_ptr<int64_t>();
+    switch (head_dim) {
+      case 64: attend_rows<scalar_t, 64>(out, query, key_cache, value_cache, block_table, r, q, c, n, scale); break;
+      case 128: attend_rows<scalar_t, 128>(out, query, key_cache, value_cache, block_table, r, q, c, n, scale); break;
+      default: TORCH_CHECK(false, "head_dim ", head_dim, " is not supported (64 or 128)");
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(actorserve_cpu, m) {
+  m.def(
+      "paged_attention_rows(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_table, Tensor rows, Tensor reqs, Tensor ctx_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(actorserve_cpu, CPU, m) { m.impl("paged_attention_rows", &paged_attention_rows); }

@@ -1,0 +1,140 @@
+"""The C++ CPU paged-attention op (``kernels.cpu``) against the float64 brute-force
+reference of the Triton tests, on fresh random inputs each run.
+
+Every run poisons the output with NaN and every cache slot no sequence owns holds NaN,
+so an unwritten row, or a read past a context's end, fails the test.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+from kernels.cpu import load_cpu_ops, paged_attention_rows
+from services.gpu_worker.attention.base import AttentionMetadata
+from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
+from tests.test_kernels import MIXED, TOLERANCE, make_batch, reference_attention
+
+pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="no C++ compiler to build the op")
+
+
+def _batch(seqs, *, block_size, heads, head_dim, dtype):
+    seed = secrets.randbits(32)  # in every failure message
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch(
+        seqs,
+        block_size=block_size,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        dtype=dtype,
+        gen=gen,
+    )
+    return batch, seed
+
+
+def _rows(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every token of the batch as a row: (row, request, context length = position + 1)."""
+    qsl = batch["query_start_loc"].long()
+    q_lens = qsl[1:] - qsl[:-1]
+    reqs = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
+    rows = torch.arange(int(qsl[-1]))
+    first_pos = batch["seq_lens"].long() - q_lens
+    return rows, reqs, first_pos[reqs] + rows - qsl[reqs] + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_matches_reference(block_size: int, head_dim: int, heads, dtype: torch.dtype) -> None:
+    batch, seed = _batch(MIXED, block_size=block_size, heads=heads, head_dim=head_dim, dtype=dtype)
+    out = torch.full_like(batch["query"], float("nan"))
+    rows, reqs, ctx = _rows(batch)
+    paged_attention_rows(
+        out, batch["query"], batch["key_cache"], batch["value_cache"], batch["block_table"],
+        rows, reqs, ctx, head_dim**-0.5,
+    )  # fmt: skip
+    assert not out.isnan().any(), f"row unwritten or NaN read past a context (seed {seed})"
+    ref = reference_attention(batch)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} (seed {seed})"
+
+
+def test_long_contexts_and_strided_query() -> None:
+    """Contexts of several hundred tokens (many 16-position tiles, the last one partial),
+    a query that is a view into a fused qkv tensor, and only some rows computed."""
+    seqs = [(500, 1), (37, 1), (1000, 1), (255, 3)]
+    batch, seed = _batch(seqs, block_size=16, heads=(9, 3), head_dim=64, dtype=torch.float32)
+    q = batch["query"]
+    fused = torch.randn(q.shape[0], q.shape[1] + 6, q.shape[2])  # [q | k | v] heads
+    fused[:, : q.shape[1]] = q
+    query = fused[:, : q.shape[1]]
+    rows, reqs, ctx = _rows(batch)
+    pick = torch.tensor([0, 2, 4])  # decode rows of requests 0 and 2, one row of request 3
+    out = torch.full_like(q, float("nan"))
+    paged_attention_rows(
+        out, query, batch["key_cache"], batch["value_cache"], batch["block_table"],
+        rows[pick], reqs[pick], ctx[pick], 64**-0.5,
+    )  # fmt: skip
+    ref = reference_attention(batch)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[pick] = False
+    assert out[others].isnan().all(), "rows that were not asked for were written"
+    err = float((out[pick].double() - ref[pick]).norm() / ref[pick].norm())
+    assert err < 1e-5, f"relative error {err:.2e} (seed {seed})"
+
+
+def test_rejects_bad_arguments() -> None:
+    batch, _ = _batch([(3, 1)], block_size=8, heads=(4, 4), head_dim=32, dtype=torch.float32)
+    rows, reqs, ctx = _rows(batch)
+    out = torch.empty_like(batch["query"])
+    args = (batch["key_cache"], batch["value_cache"], batch["block_table"])
+    with pytest.raises(RuntimeError, match="head_dim 32 is not supported"):
+        paged_attention_rows(out, batch["query"], *args, rows, reqs, ctx, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        paged_attention_rows(out, batch["query"], *args, rows.int(), reqs, ctx, 1.0)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, [(40, 1), (3, 1), (17, 1)]], ids=["mixed", "decode"])
+def test_backend_uses_op_for_decode_rows(seqs) -> None:
+    """The torch backend with the op (decode rows) equals the backend without it (all
+    SDPA), on a mixed batch and an all-decode batch, including the cache write."""
+    batch, seed = _batch(seqs, block_size=16, heads=(9, 3), head_dim=64, dtype=torch.float32)
+    qsl, seq_lens = batch["query_start_loc"], batch["seq_lens"]
+    num_tokens = int(qsl[-1])
+    # This step's tokens are written by the backend: point their slots at the cache.
+    qsl_l = qsl.long()
+    reqs = torch.repeat_interleave(torch.arange(len(seqs)), qsl_l[1:] - qsl_l[:-1])
+    pos = (
+        (seq_lens.long() - (qsl_l[1:] - qsl_l[:-1]))[reqs] + torch.arange(num_tokens) - qsl_l[reqs]
+    )
+    slots = batch["block_table"][reqs, pos // 16].long() * 16 + pos % 16
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_tokens, 3, 64, generator=gen)
+    value = torch.randn(num_tokens, 3, 64, generator=gen)
+    outs = []
+    for use in (True, False):
+        meta = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=batch["block_table"],
+            slot_mapping=slots,
+            max_query_len=batch["max_query_len"],
+            max_seq_len=batch["max_seq_len"],
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        backend = TorchAttentionBackend(9, 64, 3, 64**-0.5, use_cpu_kernel=use)
+        cache = (batch["key_cache"].clone(), batch["value_cache"].clone())
+        outs.append(backend.forward(batch["query"], key, value, cache, meta))
+        assert backend._kernel is use
+    err = float((outs[0] - outs[1]).norm() / outs[1].norm())
+    assert err < 1e-5, f"relative error {err:.2e} (seed {seed})"
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACTORSERVE_CPU_KERNELS", "0")
+    assert load_cpu_ops.__wrapped__() is False
