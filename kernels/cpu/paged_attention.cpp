@@ -10,7 +10,7 @@
 // bandwidth). Two passes instead of an online softmax: all scores of a row fit in
 // L1/L2. Pass 1 takes 16 positions at a time and reduces their 16 dot products with
 // one shuffle tree instead of 16 horizontal sums (the sums were most of the
-// instructions); pass 2 keeps each head's accumulator in registers.
+// instructions); pass 2 walks the same tiles, each head's accumulator in registers.
 //
 // Vectors are GCC vector extensions (16 floats), so the code is portable and the
 // compiler picks AVX-512, AVX2 or SSE for the machine (-march=native).
@@ -79,6 +79,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
+  const int block_shift = __builtin_ctzll(block_size);  // block sizes are powers of two
   const int64_t tok_stride = num_kv_heads * D;  // between consecutive cache slots
   const int64_t q_stride0 = query.stride(0), q_stride1 = query.stride(1);
   const int64_t o_stride0 = out.stride(0), o_stride1 = out.stride(1);
@@ -91,7 +92,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vf> q(num_heads * C);
+    std::vector<vf> q(num_heads * C), acc(num_heads * C);
     std::vector<float> inv_sum(num_heads), scores;
     std::vector<int64_t> slot;  // element offset of each position's cache slot
     for (int64_t i = begin; i < end; ++i) {
@@ -100,7 +101,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       scores.resize(num_heads * padded);
       slot.resize(padded);
       for (int64_t t = 0; t < len; ++t)
-        slot[t] = (int64_t(table[t / block_size]) * block_size + t % block_size) * tok_stride;
+        slot[t] = ((int64_t(table[t >> block_shift]) << block_shift) + (t & (block_size - 1))) * tok_stride;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int c = 0; c < C; ++c)
           q[h * C + c] = load_vec(q_base + rows[i] * q_stride0 + h * q_stride1 + c * W) * fscale;
@@ -138,18 +139,27 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         }
         inv_sum[h] = 1.f / sum;
       }
-      // Pass 2: out_h = sum_t p[h][t] * v_t, the accumulator in registers.
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const float* ph = scores.data() + h * padded;
-        const scalar_t* vh = v_base + (h / group) * D;
-        vf acc[C] = {};
-        for (int64_t t = 0; t < len; ++t) {
-          const scalar_t* v = vh + slot[t];
-          for (int c = 0; c < C; ++c) acc[c] += ph[t] * load_vec(v + c * W);
+      // Pass 2: out_h = sum_t p[h][t] * v_t, W positions at a time, so a tile of V stays
+      // in L1 while every head reads it; a head's accumulator lives in registers per tile.
+      std::fill(acc.begin(), acc.end(), vf{});
+      for (int64_t t0 = 0; t0 < len; t0 += W) {
+        const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* ph = scores.data() + h * padded + t0;
+          const scalar_t* vh = v_base + (h / group) * D;
+          vf a[C];
+          for (int c = 0; c < C; ++c) a[c] = acc[h * C + c];
+          for (int j = 0; j < n; ++j) {
+            const scalar_t* v = vh + slot[t0 + j];
+            for (int c = 0; c < C; ++c) a[c] += ph[j] * load_vec(v + c * W);
+          }
+          for (int c = 0; c < C; ++c) acc[h * C + c] = a[c];
         }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* dst = o_base + rows[i] * o_stride0 + h * o_stride1;
         for (int c = 0; c < C; ++c)
-          for (int j = 0; j < W; ++j) dst[c * W + j] = static_cast<scalar_t>(acc[c][j] * inv_sum[h]);
+          for (int j = 0; j < W; ++j) dst[c * W + j] = static_cast<scalar_t>(acc[h * C + c][j] * inv_sum[h]);
       }
     }
   });
@@ -166,6 +176,8 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& query, const at::Ten
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, out and the KV cache must share a dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t bs = key_cache.size(1);
+  TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "block_size must be a power of two, got ", bs);
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32 rows");
   TORCH_CHECK(rows.scalar_type() == at::kLong && reqs.scalar_type() == at::kLong &&
                   ctx_lens.scalar_type() == at::kLong && rows.is_contiguous() && reqs.is_contiguous() &&
