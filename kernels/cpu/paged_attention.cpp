@@ -69,6 +69,18 @@ inline vf sum16(vf a[W]) {
   return __builtin_shuffle(e, vi{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
 }
 
+// Blocks sit at random places in the cache, and the hardware prefetcher stops at page
+// boundaries, so a row streaming block after block from DRAM stalls at each one: ask
+// for the slots of tile t0 + ahead while tile t0 is being computed.
+template <typename scalar_t>
+inline void prefetch_tile(const scalar_t* base, const int64_t* slot, int64_t from, int64_t to,
+                          int64_t row_elems) {
+  for (int64_t t = from; t < to; ++t) {
+    const char* p = reinterpret_cast<const char*>(base + slot[t]);
+    for (int64_t off = 0; off < row_elems * int64_t(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off, 0, 1);
+  }
+}
+
 template <typename scalar_t, int D>
 void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_table,
@@ -107,8 +119,10 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           q[h * C + c] = load_vec(q_base + rows[i] * q_stride0 + h * q_stride1 + c * W) * fscale;
 
       // Pass 1: scores[h][t] = q_h . k_t, W positions at a time.
+      constexpr int64_t ahead = 4 * W;
       for (int64_t t0 = 0; t0 < len; t0 += W) {
         const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
+        prefetch_tile(k_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
             const vf* qh = q.data() + h * C;
@@ -142,8 +156,10 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       // Pass 2: out_h = sum_t p[h][t] * v_t, W positions at a time, so a tile of V stays
       // in L1 while every head reads it; a head's accumulator lives in registers per tile.
       std::fill(acc.begin(), acc.end(), vf{});
+      prefetch_tile(v_base, slot.data(), 0, std::min(ahead, len), tok_stride);
       for (int64_t t0 = 0; t0 < len; t0 += W) {
         const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
+        prefetch_tile(v_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float* ph = scores.data() + h * padded + t0;
           const scalar_t* vh = v_base + (h / group) * D;
