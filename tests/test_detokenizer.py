@@ -185,12 +185,13 @@ def test_output_processor_stop_string_finishes_request(tok):
     deltas, fins = proc.process(TokenBatch([RequestTokens("a", out_ids[:1], num_cached_tokens=3)]))
     assert deltas == [] and fins == []
     deltas, fins = proc.add_request(_spec("a", tok, stop=["three"]))
-    assert deltas == []  # " one" is held back: it could be the start of "three"
+    # " one" is held back (it could start "three"), but the step still gets a delta, as in vLLM.
+    assert [(d.text, d.token_ids, d.prompt_text) for d in deltas] == [("", out_ids[:1], "hi")]
     deltas, fins = proc.process(TokenBatch([RequestTokens("a", out_ids[1:])]))
     assert [(d.text, d.finish_reason, d.stop_reason) for d in deltas] == [
         (" one two ", "stop", "three")
     ]
-    assert deltas[0].prompt_text == "hi" and deltas[0].num_output_tokens == len(out_ids)
+    assert deltas[0].prompt_text is None and deltas[0].num_output_tokens == len(out_ids)
     assert deltas[0].num_cached_tokens == 3 and deltas[0].num_prompt_tokens == 1
     assert fins == [FinishRequest("a", "stop", "three")]
     # Late tokens are dropped; the scheduler's final item frees the state.

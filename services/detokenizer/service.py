@@ -117,7 +117,10 @@ class OutputProcessor:
             if state.spec.sampling.logprobs is not None
             else []
         )
-        if not text and finish_reason is None and not logprobs:
+        # A step that produced tokens gets a delta even if they render no text yet (a
+        # skipped special token, an incomplete UTF-8 character, a stop string's possible
+        # start): vLLM streams one chunk per step, and `vllm bench serve` times each chunk.
+        if not text and finish_reason is None and not logprobs and not item.new_token_ids:
             return None
         prompt_text, state.prompt_text = state.prompt_text, None
         return TextDelta(
