@@ -236,6 +236,7 @@ def bench_model(bandwidth: float, deadline: float, batches: tuple[int, ...]) -> 
     config.worker.attention_backend = "triton"
     config.cache.block_size = BLOCK_SIZE
     config.scheduler.max_num_seqs = max(batches)
+    config.finalize(arch)
     runner = ModelRunner(config, None, arch=arch, weights=_gpu_dummy_weights(arch))
     model = runner.model
     weight_bytes = sum(

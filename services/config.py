@@ -122,11 +122,19 @@ class SchedulerConfig:
     """Continuous batching: budgets per step and admission policy."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None: 512 on CPU, 2048 on GPU (see EngineConfig.finalize)
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one request's chunk
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_model_len: int = 0  # filled in from the model at start-up
+
+    @property
+    def token_budget(self) -> int:
+        """``max_num_batched_tokens`` once resolved (``EngineConfig.finalize`` fills the default)."""
+        if self.max_num_batched_tokens is None:
+            raise ValueError("max_num_batched_tokens is unresolved: call EngineConfig.finalize()")
+        return self.max_num_batched_tokens
 
 
 @dataclass
@@ -137,6 +145,14 @@ class WorkerConfig:
     worker_backend: str = "torch"  # torch | sim
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
+
+    def resolved_device(self) -> str:
+        """ "cpu" or "cuda": ``device``, with "auto" meaning CUDA when torch sees a GPU."""
+        if self.device != "auto":
+            return self.device
+        import torch  # only here: config is imported by processes that never need torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -197,7 +213,7 @@ class EngineConfig:
             )
         if s.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {s.max_num_seqs}")
-        if s.max_num_batched_tokens < 1:
+        if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"--max-num-batched-tokens must be at least 1, got {s.max_num_batched_tokens}"
             )
@@ -233,6 +249,15 @@ class EngineConfig:
         if m.max_model_len is None:
             m.max_model_len = arch.max_position_embeddings
         s.max_model_len = m.max_model_len
+        if s.max_num_batched_tokens is None:
+            # The budget is the knob between TTFT and ITL: every running request waits for
+            # the whole step. A CPU computes ~1k prompt tokens/s, already at full matmul
+            # speed at 512 tokens a step, so a bigger step only makes decodes wait longer
+            # (2048 tokens ~3 s here) and admits prompts in bigger, later bursts.
+            default = 512 if self.worker.resolved_device() == "cpu" else 2048
+            s.max_num_batched_tokens = (
+                default if s.enable_chunked_prefill else max(default, m.max_model_len)
+            )
         if not s.enable_chunked_prefill and s.max_num_batched_tokens < m.max_model_len:
             raise ConfigError(
                 f"--max-num-batched-tokens ({s.max_num_batched_tokens}) is smaller than "
@@ -296,7 +321,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=parse_token_count, default=None)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=parse_token_count,
+        default=None,
+        help="token budget of one step (default: 512 on CPU, 2048 on GPU)",
+    )
     g.add_argument("--enable-chunked-prefill", action=bool_flag, default=None)
     g.add_argument("--long-prefill-token-threshold", type=int, default=None)
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])

@@ -113,7 +113,10 @@ def make_scheduler(
 ) -> tuple[Scheduler, SimWorker]:
     cache_kwargs = {k: sched_kwargs.pop(k) for k in list(sched_kwargs) if hasattr(CacheConfig, k)}
     sched = Scheduler(
-        SchedulerConfig(max_model_len=max_model_len, **sched_kwargs),
+        SchedulerConfig(
+            max_model_len=max_model_len,
+            **{"max_num_batched_tokens": 2048, **sched_kwargs},
+        ),
         CacheConfig(block_size=block_size, **cache_kwargs),
         num_blocks,
         enable_kv_cache_events=True,
@@ -513,3 +516,33 @@ def test_stats_and_events():
         RequestEventType.SCHEDULED,
         RequestEventType.NEW_TOKENS,
     ]
+
+
+# ---------------------------------------------------------------- default budget
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"device": "cpu"}, 512),
+        ({"device": "cuda"}, 2048),
+        ({"device": "cpu", "max_num_batched_tokens": 4096}, 4096),  # a given value wins
+        ({"device": "cpu", "enable_chunked_prefill": False}, 1000),  # whole prompts must fit
+        ({"device": "cuda", "enable_chunked_prefill": False}, 2048),
+    ],
+)
+def test_default_token_budget(kwargs: dict, expected: int) -> None:
+    """--max-num-batched-tokens left unset resolves per device at finalize time."""
+    from services.config import EngineConfig, ModelArchConfig
+
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1000,
+    )  # fmt: skip
+    config = EngineConfig.from_kwargs(**kwargs)
+    if "max_num_batched_tokens" not in kwargs:
+        with pytest.raises(ValueError, match="finalize"):
+            _ = config.scheduler.token_budget
+    config.finalize(arch)
+    assert config.scheduler.token_budget == expected

@@ -120,9 +120,13 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
       // Pass 1: scores[h][t] = q_h . k_t, W positions at a time.
       constexpr int64_t ahead = 4 * W;
+      prefetch_tile(k_base, slot.data(), 0, std::min(ahead, len), tok_stride);
+      prefetch_tile(v_base, slot.data(), 0, std::min(ahead, len), tok_stride);
       for (int64_t t0 = 0; t0 < len; t0 += W) {
         const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
+        // K for pass 1 and, into L2, V for pass 2: twice the requests in flight.
         prefetch_tile(k_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
+        prefetch_tile(v_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
             const vf* qh = q.data() + h * C;
@@ -156,10 +160,8 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       // Pass 2: out_h = sum_t p[h][t] * v_t, W positions at a time, so a tile of V stays
       // in L1 while every head reads it; a head's accumulator lives in registers per tile.
       std::fill(acc.begin(), acc.end(), vf{});
-      prefetch_tile(v_base, slot.data(), 0, std::min(ahead, len), tok_stride);
       for (int64_t t0 = 0; t0 < len; t0 += W) {
         const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
-        prefetch_tile(v_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float* ph = scores.data() + h * padded + t0;
           const scalar_t* vh = v_base + (h / group) * D;

@@ -148,7 +148,7 @@ class ModelRunner:
     def _profile_cuda_budget(self) -> int:
         """gpu_memory_utilization of the device, less the weights and the peak
         activations of a forward over max_num_batched_tokens."""
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        num_tokens = min(self.config.scheduler.token_budget, self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -159,7 +159,7 @@ class Scheduler:
         """Plan the next step. ``num_computed_tokens`` advances here, as if the step ran."""
         cfg = self.scheduler_config
         threshold = cfg.long_prefill_token_threshold
-        token_budget = cfg.max_num_batched_tokens
+        token_budget = cfg.token_budget
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
