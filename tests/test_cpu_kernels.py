@@ -46,7 +46,7 @@ def _rows(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 2), (8, 1), (12, 2)])  # GQA 1, 3, 4, 8, 6
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_matches_reference(block_size: int, head_dim: int, heads, dtype: torch.dtype) -> None:

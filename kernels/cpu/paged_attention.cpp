@@ -8,9 +8,11 @@
 // One task per row, so a row's K/V slots are read front to back, all KV heads at once
 // (per-(row, head) tasks read a third of every slot and streamed at a third of the
 // bandwidth). Two passes instead of an online softmax: all scores of a row fit in
-// L1/L2. Pass 1 takes 16 positions at a time and reduces their 16 dot products with
-// one shuffle tree instead of 16 horizontal sums (the sums were most of the
-// instructions); pass 2 walks the same tiles, each head's accumulator in registers.
+// L1/L2. Both passes walk tiles of 16 positions, one KV head's whole GQA group at a
+// time, so a K or V row is loaded once for all the query heads that read it. Pass 1
+// reduces a tile's 16 dot products per head with one shuffle tree instead of 16
+// horizontal sums (the sums were most of the instructions); pass 2 keeps the group's
+// accumulators in registers.
 //
 // Vectors are GCC vector extensions (16 floats), so the code is portable and the
 // compiler picks AVX-512, AVX2 or SSE for the machine (-march=native).
@@ -81,6 +83,84 @@ inline void prefetch_tile(const scalar_t* base, const int64_t* slot, int64_t fro
   }
 }
 
+// Pass-1 tile: scores of the G query heads that share one KV head against positions
+// slot[0..n) (n <= W), so each K row is loaded once for the whole group.
+template <int G, int C, typename scalar_t>
+inline void tile_scores(const vf* q, const scalar_t* k_head, const int64_t* slot, int n,
+                        float* scores, int64_t head_stride) {
+  vf a[G][W];
+  for (int j = 0; j < W; ++j) {
+    if (j < n) {
+      const scalar_t* k = k_head + slot[j];
+      vf kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load_vec(k + c * W);
+      for (int g = 0; g < G; ++g) {
+        vf acc = q[g * C] * kv[0];
+        for (int c = 1; c < C; ++c) acc += q[g * C + c] * kv[c];
+        a[g][j] = acc;
+      }
+    } else {
+      for (int g = 0; g < G; ++g) a[g][j] = vf{};
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    vf sum = sum16(a[g]);
+    std::memcpy(scores + g * head_stride, &sum, sizeof(sum));
+  }
+}
+
+// Pass-2 tile: acc[g] += sum_j p[g][j] * v_j for the G heads of one KV head, the
+// accumulators in registers and each V row loaded once.
+template <int G, int C, typename scalar_t>
+inline void tile_accumulate(vf* acc, const float* p, int64_t head_stride, const scalar_t* v_head,
+                            const int64_t* slot, int n) {
+  vf a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = acc[g * C + c];
+  for (int j = 0; j < n; ++j) {
+    const scalar_t* v = v_head + slot[j];
+    vf vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_vec(v + c * W);
+    for (int g = 0; g < G; ++g) {
+      const float pg = p[g * head_stride + j];
+      for (int c = 0; c < C; ++c) a[g][c] += pg * vv[c];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g * C + c] = a[g][c];
+}
+
+// The group sizes of common models get unrolled code; others go one head at a time.
+template <int C, typename scalar_t>
+inline void group_scores(int64_t group, const vf* q, const scalar_t* k_head, const int64_t* slot,
+                         int n, float* scores, int64_t head_stride) {
+  switch (group) {
+    case 1: return tile_scores<1, C>(q, k_head, slot, n, scores, head_stride);
+    case 2: return tile_scores<2, C>(q, k_head, slot, n, scores, head_stride);
+    case 3: return tile_scores<3, C>(q, k_head, slot, n, scores, head_stride);
+    case 4: return tile_scores<4, C>(q, k_head, slot, n, scores, head_stride);
+    case 8: return tile_scores<8, C>(q, k_head, slot, n, scores, head_stride);
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        tile_scores<1, C>(q + g * C, k_head, slot, n, scores + g * head_stride, head_stride);
+  }
+}
+
+template <int C, typename scalar_t>
+inline void group_accumulate(int64_t group, vf* acc, const float* p, int64_t head_stride,
+                             const scalar_t* v_head, const int64_t* slot, int n) {
+  switch (group) {
+    case 1: return tile_accumulate<1, C>(acc, p, head_stride, v_head, slot, n);
+    case 2: return tile_accumulate<2, C>(acc, p, head_stride, v_head, slot, n);
+    case 3: return tile_accumulate<3, C>(acc, p, head_stride, v_head, slot, n);
+    case 4: return tile_accumulate<4, C>(acc, p, head_stride, v_head, slot, n);
+    case 8: return tile_accumulate<8, C>(acc, p, head_stride, v_head, slot, n);
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        tile_accumulate<1, C>(acc + g * C, p + g * head_stride, head_stride, v_head, slot, n);
+  }
+}
+
 template <typename scalar_t, int D>
 void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_table,
@@ -127,22 +207,9 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         // K for pass 1 and, into L2, V for pass 2: twice the requests in flight.
         prefetch_tile(k_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
         prefetch_tile(v_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-            const vf* qh = q.data() + h * C;
-            vf a[W];
-            for (int j = 0; j < W; ++j) {
-              vf s = {};
-              if (j < n) {
-                const scalar_t* k = k_base + slot[t0 + j] + kvh * D;
-                for (int c = 0; c < C; ++c) s += qh[c] * load_vec(k + c * W);
-              }
-              a[j] = s;
-            }
-            vf s = sum16(a);
-            std::memcpy(scores.data() + h * padded + t0, &s, sizeof(s));
-          }
-        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+          group_scores<C>(group, q.data() + kvh * group * C, k_base + kvh * D, slot.data() + t0, n,
+                          scores.data() + kvh * group * padded + t0, padded);
       }
       // Softmax per query head, normalised at the end.
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -162,17 +229,9 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       std::fill(acc.begin(), acc.end(), vf{});
       for (int64_t t0 = 0; t0 < len; t0 += W) {
         const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* ph = scores.data() + h * padded + t0;
-          const scalar_t* vh = v_base + (h / group) * D;
-          vf a[C];
-          for (int c = 0; c < C; ++c) a[c] = acc[h * C + c];
-          for (int j = 0; j < n; ++j) {
-            const scalar_t* v = vh + slot[t0 + j];
-            for (int c = 0; c < C; ++c) a[c] += ph[j] * load_vec(v + c * W);
-          }
-          for (int c = 0; c < C; ++c) acc[h * C + c] = a[c];
-        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+          group_accumulate<C>(group, acc.data() + kvh * group * C, scores.data() + kvh * group * padded + t0,
+                              padded, v_base + kvh * D, slot.data() + t0, n);
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* dst = o_base + rows[i] * o_stride0 + h * o_stride1;
