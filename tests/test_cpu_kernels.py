@@ -1,5 +1,6 @@
-"""The C++ CPU paged-attention op (``kernels.cpu``) against the float64 brute-force
-reference of the Triton tests, on fresh random inputs each run.
+"""The C++ CPU ops (``kernels.cpu``): paged attention against the float64 brute-force
+reference of the Triton tests, the small-batch linear against float64 matmul, on fresh
+random inputs each run.
 
 Every run poisons the output with NaN and every cache slot no sequence owns holds NaN,
 so an unwritten row, or a read past a context's end, fails the test.
@@ -12,7 +13,7 @@ import secrets
 import pytest
 import torch
 
-from kernels.cpu import load_cpu_ops, paged_attention_rows
+from kernels.cpu import load_cpu_ops, paged_attention_rows, small_linear
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from tests.test_kernels import MIXED, TOLERANCE, make_batch, reference_attention
@@ -138,3 +139,38 @@ def test_backend_uses_op_for_decode_rows(seqs) -> None:
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACTORSERVE_CPU_KERNELS", "0")
     assert load_cpu_ops.__wrapped__() is False
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (49, 64), (17, 16)])
+def test_small_linear(rows: int, n: int, k: int) -> None:
+    """x @ W.T for 1, 2 and 4 rows, including N that leaves a partial block of rows."""
+    seed = secrets.randbits(32)
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    out = small_linear(x, w)
+    ref = x.double() @ w.double().T
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert out.shape == (rows, n) and err < 1e-6, f"relative error {err:.2e} (seed {seed})"
+
+
+def test_small_linear_rejects_unsupported_shapes() -> None:
+    with pytest.raises(RuntimeError, match="1, 2 or 4 rows"):
+        small_linear(torch.randn(3, 32), torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        small_linear(torch.randn(1, 24), torch.randn(8, 24))
+
+
+def test_model_linear_uses_streaming_op_for_one_token() -> None:
+    """The model's ``linear`` takes the op at 1-2 tokens and oneDNN/F.linear otherwise,
+    with the same result either way (bias included)."""
+    from services.gpu_worker.model import layers
+
+    w, b = torch.randn(100, 64), torch.randn(100)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8):
+            x = torch.randn(rows, 64)
+            got = layers.linear(x, w, b, layers.pack_linear_weight(w))
+            ref = x.double() @ w.double().T + b.double()
+            assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
+    assert layers._small_linear is small_linear  # resolved on first use, then reused

@@ -23,7 +23,7 @@ from services.logging_utils import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemv.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
 
@@ -80,3 +80,12 @@ def paged_attention_rows(
     torch.ops.actorserve_cpu.paged_attention_rows(
         out, query, key_cache, value_cache, block_table, rows, reqs, ctx_lens, scale
     )
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for fp32 ``x`` [M, K] with M in (1, 2, 4) and K a multiple of 16
+    (``weight`` [N, K], contiguous), streaming the weight at memory bandwidth.
+    Requires ``load_cpu_ops()`` to have returned True."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    torch.ops.actorserve_cpu.small_linear(out, x, weight)
+    return out

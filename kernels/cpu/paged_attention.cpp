@@ -32,44 +32,9 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
-
-constexpr int W = 16;  // floats per vector, and positions per pass-1 tile
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int vi __attribute__((vector_size(W * sizeof(int))));
-
-template <typename scalar_t>
-inline vf load_vec(const scalar_t* p) {
-  vf v;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else {
-    for (int j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]);
-  }
-  return v;
-}
-
-// Lanes j of the result = sum of the lanes of a[j], for 16 vectors a[0..15]: a tree of
-// folds, each adding the two halves of pairs of vectors (15 adds, 30 shuffles in all).
-inline vf sum16(vf a[W]) {
-  vf b[8], c[4], d[2];
-  for (int j = 0; j < 8; ++j)
-    b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(a[2 * j], a[2 * j + 1], vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-  // b[j]: lanes 0-7 partials of a[2j], 8-15 of a[2j+1].
-  for (int j = 0; j < 4; ++j)
-    c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
-           __builtin_shuffle(b[2 * j], b[2 * j + 1], vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
-  // c[j]: 4 lanes each of a[4j], a[4j+2], a[4j+1], a[4j+3].
-  for (int j = 0; j < 2; ++j)
-    d[j] = __builtin_shuffle(c[2 * j], c[2 * j + 1], vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
-           __builtin_shuffle(c[2 * j], c[2 * j + 1], vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
-  // d[j]: pairs of a[8j + {0, 4, 2, 6, 1, 5, 3, 7}].
-  vf e = __builtin_shuffle(d[0], d[1], vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
-         __builtin_shuffle(d[0], d[1], vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
-  // e: a[{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15}]; put them in order.
-  return __builtin_shuffle(e, vi{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
-}
 
 // Blocks sit at random places in the cache, and the hardware prefetcher stops at page
 // boundaries, so a row streaming block after block from DRAM stalls at each one: ask

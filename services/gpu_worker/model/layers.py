@@ -32,6 +32,23 @@ _USE_ONEDNN = _onednn_linear is not None and torch.backends.mkldnn.is_available(
 _PACK_BATCH_HINT = 64
 
 
+# A linear over one or two tokens (decode at batch 1-2) is a stream over its weight; the
+# C++ op in kernels/cpu reads it at memory bandwidth, where oneDNN's GEMM leaves a share
+# unused (batch 1: 35 -> 29 ms per decode step). From 4 tokens on oneDNN is as fast or
+# faster (bench/RESULTS.md). Resolved on first use.
+_SMALL_M = (1, 2)
+_small_linear: Any = None
+
+
+def _small_linear_op() -> Any:
+    global _small_linear
+    if _small_linear is None:
+        from kernels.cpu import load_cpu_ops, small_linear
+
+        _small_linear = small_linear if load_cpu_ops() else False
+    return _small_linear
+
+
 def _onednn_applies(x: torch.Tensor) -> bool:
     return (
         _USE_ONEDNN
@@ -54,9 +71,20 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear``; through oneDNN (on ``packed = pack_linear_weight(weight)`` if given)
-    for fp32 CPU inference."""
+    """``F.linear``; for fp32 CPU inference through the C++ streaming op at 1 or 2
+    tokens, else oneDNN (on ``packed = pack_linear_weight(weight)`` if given)."""
     if _onednn_applies(x):
+        if (
+            x.dim() == 2
+            and x.shape[0] in _SMALL_M
+            and x.shape[1] % 16 == 0
+            and x.is_contiguous()
+            and weight.is_contiguous()
+        ):
+            op = _small_linear_op()
+            if op:
+                out = op(x, weight)
+                return out if bias is None else out.add_(bias)
         return _onednn_linear(x, weight if packed is None else packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
