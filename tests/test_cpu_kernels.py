@@ -173,4 +173,33 @@ def test_model_linear_uses_streaming_op_for_one_token() -> None:
             got = layers.linear(x, w, b, layers.pack_linear_weight(w))
             ref = x.double() @ w.double().T + b.double()
             assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
-    assert layers._small_linear is small_linear  # resolved on first use, then reused
+    assert layers._cpu_op("small_linear") is small_linear  # resolved once, then reused
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_rms_norm_and_silu_and_mul(tokens: int) -> None:
+    """The fused ops against float64 math, with and without the residual add, on a
+    strided input (a row view of a wider tensor) and enough tokens to split them."""
+    from kernels.cpu import rms_norm, silu_and_mul
+
+    seed = secrets.randbits(32)
+    gen = torch.Generator().manual_seed(seed)
+    hidden, eps = 576, 1e-5
+    wide = torch.randn(tokens, hidden + 32, generator=gen)
+    x, res = wide[:, :hidden], torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(hidden, generator=gen)
+
+    def ref_norm(v: torch.Tensor) -> torch.Tensor:
+        v = v.double()
+        return w.double() * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+    out, total = rms_norm(x, w, eps)
+    assert total is x
+    assert torch.allclose(out.double(), ref_norm(x), rtol=1e-5, atol=1e-5), f"seed {seed}"
+    out, total = rms_norm(x, w, eps, res)
+    assert torch.equal(total, x + res)
+    assert torch.allclose(out.double(), ref_norm(x.double() + res.double()), rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(tokens, 2 * 1536, generator=gen)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = gate * torch.sigmoid(gate) * up
+    assert torch.allclose(silu_and_mul(gate_up).double(), ref, rtol=1e-5, atol=1e-6), f"seed {seed}"

@@ -23,7 +23,10 @@ from services.logging_utils import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemv.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp")
+]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
 
@@ -88,4 +91,22 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Requires ``load_cpu_ops()`` to have returned True."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     torch.ops.actorserve_cpu.small_linear(out, x, weight)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) for fp32 [T, H] (residual optional:
+    then the second result is ``x`` itself), in one pass. Requires ``load_cpu_ops()``."""
+    out = torch.empty_like(x)
+    total = x if residual is None else torch.empty_like(x)
+    torch.ops.actorserve_cpu.add_rms_norm(out, total, x, residual, weight, eps)
+    return out, total
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for fp32 ``gate_up`` = [gate | up] [T, 2D], in one pass."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.ops.actorserve_cpu.silu_and_mul(out, gate_up)
     return out

@@ -181,9 +181,16 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         float* sh = scores.data() + h * padded;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) m = std::max(m, sh[t]);
+        vf vsum = {};
+        int64_t t = 0;
+        for (; t + W <= len; t += W) {
+          const vf e = exp_vec(load_vec(sh + t) - m);
+          std::memcpy(sh + t, &e, sizeof(e));
+          vsum += e;
+        }
         float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
+        for (int j = 0; j < W; ++j) sum += vsum[j];
+        for (; t < len; ++t) {
           sh[t] = std::exp(sh[t] - m);
           sum += sh[t];
         }

@@ -37,16 +37,17 @@ _PACK_BATCH_HINT = 64
 # unused (batch 1: 35 -> 29 ms per decode step). From 4 tokens on oneDNN is as fast or
 # faster (bench/RESULTS.md). Resolved on first use.
 _SMALL_M = (1, 2)
-_small_linear: Any = None
+_cpu_ops: Any = None
 
 
-def _small_linear_op() -> Any:
-    global _small_linear
-    if _small_linear is None:
-        from kernels.cpu import load_cpu_ops, small_linear
+def _cpu_op(name: str) -> Any:
+    """The ``kernels.cpu`` function ``name``, or None when the C++ ops are unavailable."""
+    global _cpu_ops
+    if _cpu_ops is None:
+        import kernels.cpu
 
-        _small_linear = small_linear if load_cpu_ops() else False
-    return _small_linear
+        _cpu_ops = kernels.cpu if kernels.cpu.load_cpu_ops() else False
+    return getattr(_cpu_ops, name) if _cpu_ops else None
 
 
 def _onednn_applies(x: torch.Tensor) -> bool:
@@ -81,8 +82,8 @@ def linear(
             and x.is_contiguous()
             and weight.is_contiguous()
         ):
-            op = _small_linear_op()
-            if op:
+            op = _cpu_op("small_linear")
+            if op is not None:
                 out = op(x, weight)
                 return out if bias is None else out.add_(bias)
         return _onednn_linear(x, weight if packed is None else packed, bias, "none", [], "")
@@ -127,6 +128,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if _onednn_applies(x) and x.dim() == 2:
+            op = _cpu_op("rms_norm")  # add + norm in one pass instead of ~8 ops
+            if op is not None:
+                out, total = op(x, self.weight, self.eps, residual)
+                return out if residual is None else (out, total)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -135,6 +141,10 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up for ``gate_up = [gate | up]`` along the last dim."""
+    if _onednn_applies(gate_up) and gate_up.dim() == 2:
+        op = _cpu_op("silu_and_mul")
+        if op is not None:
+            return op(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
