@@ -99,10 +99,17 @@ def test_rejects_bad_arguments() -> None:
         paged_attention_rows(out, batch["query"], *args, rows.int(), reqs, ctx, 1.0)
 
 
-@pytest.mark.parametrize("seqs", [MIXED, [(40, 1), (3, 1), (17, 1)]], ids=["mixed", "decode"])
-def test_backend_uses_op_for_decode_rows(seqs) -> None:
-    """The torch backend with the op (decode rows) equals the backend without it (all
-    SDPA), on a mixed batch and an all-decode batch, including the cache write."""
+@pytest.mark.parametrize(
+    "seqs",
+    [MIXED, [(40, 1), (3, 1), (17, 1)], [(0, 7), (0, 3), (0, 12)], [(0, 9), (30, 1), (0, 4)]],
+    ids=["mixed", "decode", "fresh-prompts", "fresh-prompts-and-decode"],
+)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["op", "sdpa"])
+def test_torch_backend_matches_reference(seqs, use_kernel: bool) -> None:
+    """The torch backend, with decode rows on the op or on SDPA, against the brute-force
+    reference over the cache as the backend left it (this step's K/V written): chunked
+    prefill with a cached prefix (masked SDPA), fresh prompts of different lengths (SDPA's
+    own causal mask, K/V from the projections), decodes, and mixes of them."""
     batch, seed = _batch(seqs, block_size=16, heads=(9, 3), head_dim=64, dtype=torch.float32)
     qsl, seq_lens = batch["query_start_loc"], batch["seq_lens"]
     num_tokens = int(qsl[-1])
@@ -116,23 +123,22 @@ def test_backend_uses_op_for_decode_rows(seqs) -> None:
     gen = torch.Generator().manual_seed(seed)
     key = torch.randn(num_tokens, 3, 64, generator=gen)
     value = torch.randn(num_tokens, 3, 64, generator=gen)
-    outs = []
-    for use in (True, False):
-        meta = AttentionMetadata(
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_table=batch["block_table"],
-            slot_mapping=slots,
-            max_query_len=batch["max_query_len"],
-            max_seq_len=batch["max_seq_len"],
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
-        backend = TorchAttentionBackend(9, 64, 3, 64**-0.5, use_cpu_kernel=use)
-        cache = (batch["key_cache"].clone(), batch["value_cache"].clone())
-        outs.append(backend.forward(batch["query"], key, value, cache, meta))
-        assert backend._kernel is use
-    err = float((outs[0] - outs[1]).norm() / outs[1].norm())
+    meta = AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_table=batch["block_table"],
+        slot_mapping=slots,
+        max_query_len=batch["max_query_len"],
+        max_seq_len=batch["max_seq_len"],
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    backend = TorchAttentionBackend(9, 64, 3, 64**-0.5, use_cpu_kernel=use_kernel)
+    cache = (batch["key_cache"].clone(), batch["value_cache"].clone())
+    out = backend.forward(batch["query"], key, value, cache, meta)
+    assert backend._kernel is use_kernel
+    ref = reference_attention(dict(batch, key_cache=cache[0], value_cache=cache[1]))
+    err = float((out.double() - ref).norm() / ref.norm())
     assert err < 1e-5, f"relative error {err:.2e} (seed {seed})"
 
 

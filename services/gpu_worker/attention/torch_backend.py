@@ -69,7 +69,11 @@ class _Group:
     pos_in_req: torch.Tensor  # [Tg] index of the token among its request's queries
     blocks: torch.Tensor  # [Bg * nb] physical blocks to gather, row-major per request
     stale_rows: torch.Tensor | None  # rows of the gathered [Bg * nb * bs] past each context
-    mask: torch.Tensor  # [Bg, 1, max_q, nb * bs] True = attend
+    mask: torch.Tensor | None  # [Bg, 1, max_q, nb * bs] True = attend; None when fresh
+    # Every request's context is exactly this step's tokens (new prompts, no cached
+    # prefix): K/V come from the step's own projections, and the causal mask is SDPA's
+    # built-in one, so its flash kernel skips the masked half instead of computing it.
+    fresh: bool = False
     # Gather buffers reused by every layer: big fresh allocations cost page faults on CPU.
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -99,10 +103,14 @@ def _build_group(
         torch.arange(num_blocks)[None, :], (-(-seq_lens // block_size) - 1)[:, None]
     )
     blocks = torch.gather(meta.block_table[reqs.to(device)], 1, cols.to(device)).long().flatten()
-    k_pos = torch.arange(num_blocks * block_size)
-    stale = torch.nonzero((k_pos[None, :] >= seq_lens[:, None]).flatten()).flatten()
-    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < seq_lens[:, None, None])
+    fresh = max_q > 1 and bool((seq_lens == q_lens).all())
+    if fresh:
+        stale, mask = torch.empty(0, dtype=torch.long), None
+    else:
+        k_pos = torch.arange(num_blocks * block_size)
+        stale = torch.nonzero((k_pos[None, :] >= seq_lens[:, None]).flatten()).flatten()
+        q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < seq_lens[:, None, None])
     return _Group(
         token_idx=token_idx,
         num_reqs=num_reqs,
@@ -111,7 +119,8 @@ def _build_group(
         pos_in_req=pos_in_req.to(device),
         blocks=blocks,
         stale_rows=stale.to(device) if stale.numel() else None,
-        mask=mask[:, None].to(device),
+        mask=None if mask is None else mask[:, None].to(device),
+        fresh=fresh,
     )
 
 
@@ -218,21 +227,22 @@ class TorchAttentionBackend(AttentionBackend):
         for g in groups:
             num_tokens = g.req_of_token.shape[0]
             q = query[:num_tokens] if g.token_idx is None else query[g.token_idx]
-            if g.max_q == 1:
-                q_pad = q.view(g.num_reqs, 1, self.num_heads, self.head_dim)
+            q_pad = self._pad(q, g)
+            if g.fresh:
+                k = self._pad(key[:num_tokens] if g.token_idx is None else key[g.token_idx], g)
+                v = self._pad(value[:num_tokens] if g.token_idx is None else value[g.token_idx], g)
             else:
-                q_pad = q.new_zeros(g.num_reqs, g.max_q, self.num_heads, self.head_dim)
-                q_pad[g.req_of_token, g.pos_in_req] = q
-            if g.buffers is None:
-                shape = (g.blocks.shape[0], *key_cache.shape[1:])
-                g.buffers = (key_cache.new_empty(shape), key_cache.new_empty(shape))
-            k = self._gather(key_cache, g, g.buffers[0])
-            v = self._gather(value_cache, g, g.buffers[1])
+                if g.buffers is None:
+                    shape = (g.blocks.shape[0], *key_cache.shape[1:])
+                    g.buffers = (key_cache.new_empty(shape), key_cache.new_empty(shape))
+                k = self._gather(key_cache, g, g.buffers[0])
+                v = self._gather(value_cache, g, g.buffers[1])
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2),
                 k.transpose(1, 2),
                 v.transpose(1, 2),
                 attn_mask=g.mask,
+                is_causal=g.fresh,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             ).transpose(1, 2)
@@ -250,6 +260,15 @@ class TorchAttentionBackend(AttentionBackend):
                 out[g.token_idx] = o
         assert out is not None
         return out
+
+    @staticmethod
+    def _pad(x: torch.Tensor, g: _Group) -> torch.Tensor:
+        """The group's rows of ``x`` [Tg, heads, D] as [Bg, max_q, heads, D], zero-padded."""
+        if g.max_q == 1 or g.num_reqs == 1:
+            return x.reshape(g.num_reqs, g.max_q, *x.shape[1:])
+        padded = x.new_zeros(g.num_reqs, g.max_q, *x.shape[1:])
+        padded[g.req_of_token, g.pos_in_req] = x
+        return padded
 
     def _gather(self, cache: torch.Tensor, g: _Group, out: torch.Tensor) -> torch.Tensor:
         """[Bg, nb * block_size, kv_heads, D]: each request's context, zero past its end."""
