@@ -36,6 +36,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.forward
+	$(BIN)/python -m bench.attention_cpu
 	$(BIN)/python -m bench.offline
 
 # On a machine with an NVIDIA GPU: kernel tests on CUDA, then kernel and 8B-decode timings.
