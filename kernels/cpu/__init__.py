@@ -13,7 +13,9 @@ plain torch.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -23,11 +25,25 @@ from services.logging_utils import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp")
-]
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
+
+
+def _build_id() -> tuple[str, str]:
+    """(extension name, source digest). The name carries the CPU's feature flags: the build
+    is ``-march=native``, so a cache shared by machines with other CPUs must not be reused.
+    The digest covers the headers too, which torch's builder does not hash."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        cpu = platform.processor()
+    sources = b"".join(p.read_bytes() for p in sorted(_DIR.glob("*.[ch]*")))
+    return (
+        "actorserve_cpu_ops_" + hashlib.sha256(cpu.encode()).hexdigest()[:10],
+        hashlib.sha256(sources).hexdigest()[:16],
+    )
 
 
 @functools.cache
@@ -43,10 +59,11 @@ def load_cpu_ops() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
+        name, digest = _build_id()
         load(
-            name="actorserve_cpu_ops",
+            name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=_FLAGS,
+            extra_cflags=[*_FLAGS, f"-DACTORSERVE_SOURCES={digest}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -54,7 +71,7 @@ def load_cpu_ops() -> bool:
     except Exception as e:  # no compiler, no ninja, a build error: plain torch still works
         errors = [line for line in str(e).splitlines() if "error" in line.lower()]
         logger.warning(
-            "CPU attention kernels unavailable (%s); using the SDPA path",
+            "C++ CPU kernels unavailable (%s); using torch ops instead",
             errors[0] if errors else type(e).__name__,
         )
         logger.debug("C++ build output:\n%s", e)
