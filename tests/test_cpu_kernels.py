@@ -209,3 +209,40 @@ def test_rms_norm_and_silu_and_mul(tokens: int) -> None:
     gate, up = gate_up.double().chunk(2, dim=-1)
     ref = gate * torch.sigmoid(gate) * up
     assert torch.allclose(silu_and_mul(gate_up).double(), ref, rtol=1e-5, atol=1e-6), f"seed {seed}"
+
+
+def test_ops_reject_bad_indices_and_shapes() -> None:
+    """Index tensors and shapes that would read or write outside the tensors are errors."""
+    from kernels.cpu import rms_norm
+
+    batch, _ = _batch([(20, 1)], block_size=16, heads=(4, 4), head_dim=64, dtype=torch.float32)
+    rows, reqs, ctx = _rows(batch)
+    args = (batch["query"], batch["key_cache"], batch["value_cache"], batch["block_table"])
+    out = torch.empty_like(batch["query"])
+    with pytest.raises(RuntimeError, match="context length 0"):
+        paged_attention_rows(out, *args, rows, reqs, torch.zeros_like(ctx), 0.1)
+    too_long = torch.full_like(ctx, batch["block_table"].shape[1] * 16 + 1)
+    with pytest.raises(RuntimeError, match="context length"):
+        paged_attention_rows(out, *args, rows, reqs, too_long, 0.1)
+    with pytest.raises(RuntimeError, match="request 5 out of range"):
+        paged_attention_rows(out, *args, rows, torch.full_like(reqs, 5), ctx, 0.1)
+    with pytest.raises(RuntimeError, match="row 9 out of range"):
+        paged_attention_rows(out, *args, torch.full_like(rows, 9), reqs, ctx, 0.1)
+    with pytest.raises(RuntimeError, match="out must have the query's shape"):
+        paged_attention_rows(out[:, :2], *args, rows, reqs, ctx, 0.1)
+    with pytest.raises(RuntimeError, match="must be \\[3, 64\\]"):
+        rms_norm(torch.randn(3, 64), torch.ones(64), 1e-6, torch.randn(1, 64))
+
+
+def test_layers_fall_back_on_strided_inputs() -> None:
+    """RMSNorm and SwiGLU on inputs the ops do not take (last dim strided) use torch."""
+    from services.gpu_worker.model.layers import RMSNorm, silu_and_mul
+
+    norm = RMSNorm(64, 1e-6)
+    x = torch.randn(64, 3).t()  # [3, 64], stride (1, 3)
+    with torch.inference_mode():
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert torch.allclose(norm(x), ref, atol=1e-6)
+        gate_up = torch.randn(8, 3).t()
+        g, u = gate_up.chunk(2, dim=-1)
+        assert torch.allclose(silu_and_mul(gate_up), torch.nn.functional.silu(g) * u)

@@ -17,6 +17,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,20 +31,33 @@ _SOURCES = [_DIR / name for name in ("paged_attention.cpp", "gemv.cpp", "element
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
 
-def _build_id() -> tuple[str, str]:
-    """(extension name, source digest). The name carries the CPU's feature flags: the build
-    is ``-march=native``, so a cache shared by machines with other CPUs must not be reused.
-    The digest covers the headers too, which torch's builder does not hash."""
+def _build_name() -> str:
+    """One build folder per CPU and per source text: the build is ``-march=native``, so a
+    cache shared by machines with other CPUs must not be reused, and two checkouts with
+    different sources sharing the cache must not rebuild each other's library. The
+    digest covers the headers too, which torch's builder does not hash."""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         cpu = platform.processor()
     sources = b"".join(p.read_bytes() for p in sorted(_DIR.glob("*.[ch]*")))
-    return (
-        "actorserve_cpu_ops_" + hashlib.sha256(cpu.encode()).hexdigest()[:10],
-        hashlib.sha256(sources).hexdigest()[:16],
-    )
+    digest = hashlib.sha256(cpu.encode() + b"\0" + sources).hexdigest()[:16]
+    return f"actorserve_cpu_ops_{digest}"
+
+
+def _clear_stale_lock(name: str, max_age_s: float = 600.0) -> None:
+    """torch's builder waits forever on the lock file of a build whose process was killed;
+    a build takes well under a minute, so a lock older than ``max_age_s`` is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            logger.warning("removing a stale build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 @functools.cache
@@ -59,11 +73,12 @@ def load_cpu_ops() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        name, digest = _build_id()
+        name = _build_name()
+        _clear_stale_lock(name)
         load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=[*_FLAGS, f"-DACTORSERVE_SOURCES={digest}"],
+            extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -117,7 +132,10 @@ def rms_norm(
     """(rms_norm(x + residual) * weight, x + residual) for fp32 [T, H] (residual optional:
     then the second result is ``x`` itself), in one pass. Requires ``load_cpu_ops()``."""
     out = torch.empty_like(x)
-    total = x if residual is None else torch.empty_like(x)
+    if residual is None:
+        torch.ops.actorserve_cpu.add_rms_norm(out, x.new_empty(0, x.shape[1]), x, None, weight, eps)
+        return out, x
+    total = torch.empty_like(x)
     torch.ops.actorserve_cpu.add_rms_norm(out, total, x, residual, weight, eps)
     return out, total
 

@@ -16,34 +16,42 @@ namespace {
 
 constexpr int64_t kGrain = 16;  // tokens per task: below this, one thread does it all
 
-void check_rows(const at::Tensor& t, int64_t hidden, const char* name) {
+void check_rows(const at::Tensor& t, int64_t tokens, int64_t hidden, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be fp32");
-  TORCH_CHECK(t.dim() == 2 && t.size(1) == hidden && t.stride(1) == 1, name, " must be [T, ", hidden,
-              "] with a contiguous last dimension");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == tokens && t.size(1) == hidden && t.stride(1) == 1, name,
+              " must be [", tokens, ", ", hidden, "] with a contiguous last dimension");
 }
 
-// out = rms_norm(x + residual) * weight, sum_out = x + residual (residual may be undefined).
+// out = rms_norm(x + residual) * weight, sum_out = x + residual; without a residual,
+// out = rms_norm(x) * weight and sum_out is not touched.
 void add_rms_norm(at::Tensor out, at::Tensor sum_out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                   const at::Tensor& weight, double eps) {
   const int64_t tokens = x.size(0), hidden = weight.numel();
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "weight must be contiguous fp32");
-  check_rows(x, hidden, "x");
-  check_rows(out, hidden, "out");
+  check_rows(x, tokens, hidden, "x");
+  check_rows(out, tokens, hidden, "out");
   const bool has_res = residual.has_value() && residual->defined();
   if (has_res) {
-    check_rows(*residual, hidden, "residual");
-    check_rows(sum_out, hidden, "sum_out");
+    check_rows(*residual, tokens, hidden, "residual");
+    check_rows(sum_out, tokens, hidden, "sum_out");
   }
+  // Pointers and strides are read once, outside the threads.
   const float* w = weight.data_ptr<float>();
+  const float* x_base = x.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  const float* r_base = has_res ? residual->data_ptr<float>() : nullptr;
+  float* s_base = has_res ? sum_out.data_ptr<float>() : nullptr;
+  const int64_t xs0 = x.stride(0), os0 = out.stride(0);
+  const int64_t rs0 = has_res ? residual->stride(0) : 0, ss0 = has_res ? sum_out.stride(0) : 0;
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* xs = x.data_ptr<float>() + t * x.stride(0);
-      float* o = out.data_ptr<float>() + t * out.stride(0);
+      const float* xs = x_base + t * xs0;
+      float* o = o_base + t * os0;
       const float* src = xs;
       if (has_res) {
-        const float* r = residual->data_ptr<float>() + t * residual->stride(0);
-        float* s = sum_out.data_ptr<float>() + t * sum_out.stride(0);
+        const float* r = r_base + t * rs0;
+        float* s = s_base + t * ss0;
 #pragma omp simd
         for (int64_t i = 0; i < hidden; ++i) s[i] = xs[i] + r[i];
         src = s;
@@ -61,13 +69,16 @@ void add_rms_norm(at::Tensor out, at::Tensor sum_out, const at::Tensor& x, const
 // out = silu(gate) * up for gate_up = [gate | up] along the last dimension.
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   const int64_t tokens = gate_up.size(0), d = gate_up.size(1) / 2;
-  check_rows(gate_up, 2 * d, "gate_up");
-  check_rows(out, d, "out");
+  check_rows(gate_up, tokens, 2 * d, "gate_up");
+  check_rows(out, tokens, d, "out");
+  const float* in_base = gate_up.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  const int64_t is0 = gate_up.stride(0), os0 = out.stride(0);
   at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* g = gate_up.data_ptr<float>() + t * gate_up.stride(0);
+      const float* g = in_base + t * is0;
       const float* u = g + d;
-      float* o = out.data_ptr<float>() + t * out.stride(0);
+      float* o = o_base + t * os0;
       int64_t i = 0;
       for (; i + W <= d; i += W) {
         const vf gv = load_vec(g + i), uv = load_vec(u + i);

@@ -236,6 +236,16 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& query, const at::Ten
   TORCH_CHECK(reqs.numel() == n && ctx_lens.numel() == n, "rows, reqs and ctx_lens differ in length");
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim, "head_dim differs between query and cache");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
+  // The index tensors hold one entry per row (a batch): checking them is cheap, and a bad
+  // one would read or write outside the tensors.
+  const int64_t max_ctx = block_table.size(1) * bs;
+  const int64_t *rp = rows.data_ptr<int64_t>(), *qp = reqs.data_ptr<int64_t>(), *cp = ctx_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < query.size(0), "row ", rp[i], " out of range");
+    TORCH_CHECK(qp[i] >= 0 && qp[i] < block_table.size(0), "request ", qp[i], " out of range");
+    TORCH_CHECK(cp[i] >= 1 && cp[i] <= max_ctx, "context length ", cp[i], " not in [1, ", max_ctx, "]");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_rows", [&] {
     const int64_t *r = rows.data_ptr<int64_t>(), *q = reqs.data_ptr<int64_t>(), *c = ctx_lens.data_ptr<int64_t>();
     switch (head_dim) {

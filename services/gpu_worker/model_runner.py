@@ -104,6 +104,10 @@ class ModelRunner:
             "triton" if self.device.type == "cuda" else "torch"
         )
         self.attn_backend = get_attention_backend(backend_name)
+        if self.device.type == "cpu":
+            from kernels.cpu import load_cpu_ops
+
+            load_cpu_ops()  # build (first run on a machine) during start-up, not mid-request
         # Built on the meta device, then materialised once in the target dtype: no
         # throw-away random init of large models.
         with torch.device("meta"):

@@ -128,7 +128,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if _onednn_applies(x) and x.dim() == 2:
+        if (
+            _onednn_applies(x)
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1))
+        ):
             op = _cpu_op("rms_norm")  # add + norm in one pass instead of ~8 ops
             if op is not None:
                 out, total = op(x, self.weight, self.eps, residual)
@@ -141,7 +146,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up for ``gate_up = [gate | up]`` along the last dim."""
-    if _onednn_applies(gate_up) and gate_up.dim() == 2:
+    if _onednn_applies(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         op = _cpu_op("silu_and_mul")
         if op is not None:
             return op(gate_up)
