@@ -246,3 +246,23 @@ def test_layers_fall_back_on_strided_inputs() -> None:
         gate_up = torch.randn(8, 3).t()
         g, u = gate_up.chunk(2, dim=-1)
         assert torch.allclose(silu_and_mul(gate_up), torch.nn.functional.silu(g) * u)
+
+
+@pytest.mark.parametrize("tokens, head_dim", [(1, 64), (40, 128)])
+def test_rotary_embedding_in_place(tokens: int, head_dim: int) -> None:
+    """The op rotates the q/k heads of a fused qkv tensor in place, as the torch formula
+    does, and leaves the v heads alone."""
+    from kernels.cpu import rotary_embedding_
+    from services.gpu_worker.model.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, 256, 10000.0, None)
+    positions = torch.randint(0, 256, (tokens,))
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    qkv = torch.randn(tokens, 12 + 2 * 3, head_dim)
+    qk, v = qkv[:, :15], qkv[:, 15:].clone()
+    x1, x2 = qk.double().chunk(2, dim=-1)
+    ref = qk.double() * cos.double() + torch.cat([x2, x1], dim=-1) * sin.double()
+    out = rotary_embedding_(qk, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()
+    assert torch.allclose(qkv[:, :15].double(), ref, atol=1e-5)
+    assert torch.equal(qkv[:, 15:], v)

@@ -145,3 +145,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     torch.ops.actorserve_cpu.silu_and_mul(out, gate_up)
     return out
+
+
+def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate fp32 ``x`` [T, heads, D] in place (neox style) with the model's (cos | cos) and
+    (-sin | sin) rows ``cos``/``sin`` [T, 1, D]; D a multiple of 32. Returns ``x``."""
+    torch.ops.actorserve_cpu.rotary_embedding(x, cos, sin)
+    return x

@@ -1,4 +1,4 @@
-// The small per-layer ops of a decoder (RMSNorm with its residual add, SwiGLU) fused
+// The small per-layer ops of a decoder (RMSNorm with its residual add, SwiGLU, rotary) fused
 // into one pass each, for fp32 on CPUs. At decode a layer's activations are a few KB,
 // so each torch op costs its dispatch (5-20 us) rather than its arithmetic; torch's
 // rms_norm alone is ~7 ops. One loop per token, vectorised by the compiler; tokens
@@ -90,14 +90,49 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   });
 }
 
+// Neox-style rotary embedding in place: for each token t and head h of x [T, H, D]
+// (a strided view, e.g. the q and k heads of a fused qkv tensor),
+// x = x * cos[t] + cat(x2, x1) * sin[t], with cos = (cos | cos) and sin = (-sin | sin)
+// rows of the model's table, [T, 1, D] views.
+void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotary_embedding is fp32 only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && d % (2 * W) == 0, "x must be [T, heads, D] with D a multiple of ",
+              2 * W, " and a contiguous last dimension");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(2) == d && t->stride(2) == 1,
+                "cos/sin must be [T, 1, D] with a contiguous last dimension");
+  float* x_base = x.data_ptr<float>();
+  const float *c_base = cos.data_ptr<float>(), *s_base = sin.data_ptr<float>();
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs0 = cos.stride(0), ss0 = sin.stride(0);
+  at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = c_base + t * cs0, *s = s_base + t * ss0;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x_base + t * xs0 + h * xs1;
+        for (int64_t i = 0; i < half; i += W) {
+          const vf x1 = load_vec(v + i), x2 = load_vec(v + half + i);
+          const vf r1 = x1 * load_vec(c + i) + x2 * load_vec(s + i);
+          const vf r2 = x2 * load_vec(c + half + i) + x1 * load_vec(s + half + i);
+          std::memcpy(v + i, &r1, sizeof(r1));
+          std::memcpy(v + half + i, &r2, sizeof(r2));
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(actorserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum_out, Tensor x, Tensor? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(actorserve_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
 }

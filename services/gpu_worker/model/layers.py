@@ -214,6 +214,11 @@ class RotaryEmbedding(nn.Module):
         return rows[:, 0:1], rows[:, 1:2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] -> rotated copy of the same shape."""
+        """x: [T, heads, D] -> rotated, same shape. On CPU in fp32 ``x`` is rotated in place
+        by one C++ op (and returned); elsewhere a rotated copy is returned."""
+        if _onednn_applies(x) and x.stride(-1) == 1 and self.head_dim % 32 == 0:
+            op = _cpu_op("rotary_embedding_")
+            if op is not None:
+                return op(x, cos, sin)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.addcmul(x * cos, torch.cat([x2, x1], dim=-1), sin)
