@@ -167,11 +167,21 @@ def test_small_linear_rejects_unsupported_shapes() -> None:
         small_linear(torch.randn(1, 24), torch.randn(8, 24))
 
 
-def test_model_linear_uses_streaming_op_for_one_token() -> None:
-    """The model's ``linear`` takes the op at 1-2 tokens and oneDNN/F.linear otherwise,
-    with the same result either way (bias included)."""
+def test_model_linear_uses_streaming_op_for_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's ``linear`` takes the op at 1-2 tokens and oneDNN otherwise, with the
+    same result either way (bias included)."""
+    import types
+
+    import kernels.cpu
     from services.gpu_worker.model import layers
 
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return small_linear(x, weight)
+
+    monkeypatch.setattr(layers, "_cpu_ops", types.SimpleNamespace(small_linear=counting))
     w, b = torch.randn(100, 64), torch.randn(100)
     with torch.inference_mode():
         for rows in (1, 2, 3, 8):
@@ -179,7 +189,9 @@ def test_model_linear_uses_streaming_op_for_one_token() -> None:
             got = layers.linear(x, w, b, layers.pack_linear_weight(w))
             ref = x.double() @ w.double().T + b.double()
             assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
-    assert layers._cpu_op("small_linear") is small_linear  # resolved once, then reused
+    assert calls == [1, 2]
+    monkeypatch.undo()
+    assert layers._cpu_op("small_linear") is kernels.cpu.small_linear  # resolved once, reused
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])

@@ -1,13 +1,16 @@
-"""C++ kernels for CPU workers, built on first use with torch's extension builder.
+"""C++ ops for CPU workers, built on first use with torch's extension builder.
 
-``paged_attention_rows`` reads the paged KV cache in place (see
-``paged_attention.cpp``); the torch attention backend uses it for decode rows, as
-vLLM's CPU backend pairs SDPA for prefill with a C++ paged-attention decode kernel.
-The op is compiled once per machine (about a minute; ``make install`` does it ahead)
-into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+- ``paged_attention_rows``: attention of single query rows over the paged KV cache in
+  place (the torch attention backend's decode rows; SDPA keeps the prefill rows, as in
+  vLLM's CPU backend);
+- ``small_linear``: a weight-streaming linear for 1-2 tokens (batch-1/2 decode);
+- ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_embedding_``: the
+  per-layer elementwise ops in one pass each.
+
+They are compiled once per machine and source version (~20 s on 2 cores; ``make install``
+does it ahead) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``). Without a C++ compiler, or with
-``ACTORSERVE_CPU_KERNELS=0``, ``load_cpu_ops()`` returns False and callers fall back to
-plain torch.
+``ACTORSERVE_CPU_KERNELS=0``, ``load_cpu_ops()`` returns False and callers use torch ops.
 """
 
 from __future__ import annotations

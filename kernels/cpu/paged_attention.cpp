@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -95,34 +96,20 @@ inline void tile_accumulate(vf* acc, const float* p, int64_t head_stride, const 
     for (int c = 0; c < C; ++c) acc[g * C + c] = a[g][c];
 }
 
-// The group sizes of common models get unrolled code; others go one head at a time.
-template <int C, typename scalar_t>
-inline void group_scores(int64_t group, const vf* q, const scalar_t* k_head, const int64_t* slot,
-                         int n, float* scores, int64_t head_stride) {
+// Calls fn(std::integral_constant<int, G>{}, g0) to handle heads g0 .. g0 + G - 1 of a KV
+// head's group with code unrolled for G: the whole group at once for the group sizes of
+// common models, one head at a time otherwise.
+template <typename Fn>
+inline void for_group(int64_t group, Fn&& fn) {
+  using std::integral_constant;
   switch (group) {
-    case 1: return tile_scores<1, C>(q, k_head, slot, n, scores, head_stride);
-    case 2: return tile_scores<2, C>(q, k_head, slot, n, scores, head_stride);
-    case 3: return tile_scores<3, C>(q, k_head, slot, n, scores, head_stride);
-    case 4: return tile_scores<4, C>(q, k_head, slot, n, scores, head_stride);
-    case 8: return tile_scores<8, C>(q, k_head, slot, n, scores, head_stride);
+    case 1: return fn(integral_constant<int, 1>{}, 0);
+    case 2: return fn(integral_constant<int, 2>{}, 0);
+    case 3: return fn(integral_constant<int, 3>{}, 0);
+    case 4: return fn(integral_constant<int, 4>{}, 0);
+    case 8: return fn(integral_constant<int, 8>{}, 0);
     default:
-      for (int64_t g = 0; g < group; ++g)
-        tile_scores<1, C>(q + g * C, k_head, slot, n, scores + g * head_stride, head_stride);
-  }
-}
-
-template <int C, typename scalar_t>
-inline void group_accumulate(int64_t group, vf* acc, const float* p, int64_t head_stride,
-                             const scalar_t* v_head, const int64_t* slot, int n) {
-  switch (group) {
-    case 1: return tile_accumulate<1, C>(acc, p, head_stride, v_head, slot, n);
-    case 2: return tile_accumulate<2, C>(acc, p, head_stride, v_head, slot, n);
-    case 3: return tile_accumulate<3, C>(acc, p, head_stride, v_head, slot, n);
-    case 4: return tile_accumulate<4, C>(acc, p, head_stride, v_head, slot, n);
-    case 8: return tile_accumulate<8, C>(acc, p, head_stride, v_head, slot, n);
-    default:
-      for (int64_t g = 0; g < group; ++g)
-        tile_accumulate<1, C>(acc + g * C, p + g * head_stride, head_stride, v_head, slot, n);
+      for (int64_t g = 0; g < group; ++g) fn(integral_constant<int, 1>{}, g);
   }
 }
 
@@ -172,9 +159,13 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         // K for pass 1 and, into L2, V for pass 2: twice the requests in flight.
         prefetch_tile(k_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
         prefetch_tile(v_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
-          group_scores<C>(group, q.data() + kvh * group * C, k_base + kvh * D, slot.data() + t0, n,
-                          scores.data() + kvh * group * padded + t0, padded);
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          for_group(group, [&](auto heads, int64_t g0) {
+            const int64_t h = kvh * group + g0;
+            tile_scores<decltype(heads)::value, C>(q.data() + h * C, k_base + kvh * D, slot.data() + t0, n,
+                                                   scores.data() + h * padded + t0, padded);
+          });
+        }
       }
       // Softmax per query head, normalised at the end.
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -201,9 +192,13 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       std::fill(acc.begin(), acc.end(), vf{});
       for (int64_t t0 = 0; t0 < len; t0 += W) {
         const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
-          group_accumulate<C>(group, acc.data() + kvh * group * C, scores.data() + kvh * group * padded + t0,
-                              padded, v_base + kvh * D, slot.data() + t0, n);
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          for_group(group, [&](auto heads, int64_t g0) {
+            const int64_t h = kvh * group + g0;
+            tile_accumulate<decltype(heads)::value, C>(acc.data() + h * C, scores.data() + h * padded + t0, padded,
+                                                       v_base + kvh * D, slot.data() + t0, n);
+          });
+        }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* dst = o_base + rows[i] * o_stride0 + h * o_stride1;

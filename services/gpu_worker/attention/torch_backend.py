@@ -69,13 +69,17 @@ class _Group:
     pos_in_req: torch.Tensor  # [Tg] index of the token among its request's queries
     blocks: torch.Tensor  # [Bg * nb] physical blocks to gather, row-major per request
     stale_rows: torch.Tensor | None  # rows of the gathered [Bg * nb * bs] past each context
-    mask: torch.Tensor | None  # [Bg, 1, max_q, nb * bs] True = attend; None when fresh
-    # Every request's context is exactly this step's tokens (new prompts, no cached
-    # prefix): K/V come from the step's own projections, and the causal mask is SDPA's
-    # built-in one, so its flash kernel skips the masked half instead of computing it.
-    fresh: bool = False
+    # [Bg, 1, max_q, nb * bs] True = attend; None when the group is fresh (below).
+    mask: torch.Tensor | None
     # Gather buffers reused by every layer: big fresh allocations cost page faults on CPU.
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """Every request's context is exactly this step's tokens (new prompts, no cached
+        prefix): K/V come from the step's own projections, and the causal mask is SDPA's
+        built-in one, so its flash kernel skips the masked half instead of computing it."""
+        return self.mask is None
 
 
 def _build_group(
@@ -120,7 +124,6 @@ def _build_group(
         blocks=blocks,
         stale_rows=stale.to(device) if stale.numel() else None,
         mask=None if mask is None else mask[:, None].to(device),
-        fresh=fresh,
     )
 
 
@@ -131,7 +134,6 @@ class _DecodeRows:
     rows: torch.Tensor  # int64
     reqs: torch.Tensor  # int64
     ctx_lens: torch.Tensor  # int64
-    whole_batch: bool  # every real token of the batch is one of these rows
 
 
 @dataclass
@@ -151,7 +153,7 @@ def _plan(meta: AttentionMetadata, block_size: int, use_kernel: bool) -> _Plan:
     all_decode, any_decode = bool(decode.all()), bool(decode.any())
     if use_kernel and any_decode:
         reqs = torch.nonzero(decode).flatten()
-        rows = _DecodeRows(qsl[reqs], reqs, meta.seq_lens_cpu.long()[reqs], all_decode)
+        rows = _DecodeRows(qsl[reqs], reqs, meta.seq_lens_cpu.long()[reqs])
         prefill = [] if all_decode else [torch.nonzero(~decode).flatten()]
         groups = [_build_group(meta, r, block_size, whole_batch=False) for r in prefill]
         return _Plan(write, rows, groups)
@@ -180,18 +182,15 @@ class TorchAttentionBackend(AttentionBackend):
         """``use_cpu_kernel``: False forces SDPA for every row; None (default) uses the
         C++ decode op on CPU when it builds."""
         super().__init__(num_heads, head_dim, num_kv_heads, scale)
-        self._want_kernel = use_cpu_kernel is not False
-        self._kernel: bool | None = None  # decided on the first forward
+        # None: decided on the first forward, from the device and whether the op builds.
+        self._kernel: bool | None = None if use_cpu_kernel is not False else False
 
     def _use_kernel(self, query: torch.Tensor) -> bool:
         if self._kernel is None:
             from kernels.cpu import load_cpu_ops
 
             self._kernel = (
-                self._want_kernel
-                and query.device.type == "cpu"
-                and self.head_dim in _KERNEL_HEAD_DIMS
-                and load_cpu_ops()
+                query.device.type == "cpu" and self.head_dim in _KERNEL_HEAD_DIMS and load_cpu_ops()
             )
         return self._kernel
 
@@ -222,7 +221,7 @@ class TorchAttentionBackend(AttentionBackend):
                 out, query, key_cache, value_cache, attn_meta.block_table,
                 d.rows, d.reqs, d.ctx_lens, self.scale,
             )  # fmt: skip
-            if d.whole_batch:
+            if not groups:  # every token was a decode row
                 return out
         for g in groups:
             num_tokens = g.req_of_token.shape[0]

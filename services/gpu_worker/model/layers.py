@@ -50,13 +50,9 @@ def _cpu_op(name: str) -> Any:
     return getattr(_cpu_ops, name) if _cpu_ops else None
 
 
-def _onednn_applies(x: torch.Tensor) -> bool:
-    return (
-        _USE_ONEDNN
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
-    )
+def _cpu_fp32_inference(x: torch.Tensor) -> bool:
+    """Where the CPU fast paths (oneDNN, the C++ ops) apply: fp32 CPU tensors, no autograd."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -74,18 +70,20 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear``; for fp32 CPU inference through the C++ streaming op at 1 or 2
     tokens, else oneDNN (on ``packed = pack_linear_weight(weight)`` if given)."""
-    if _onednn_applies(x):
-        if (
-            x.dim() == 2
-            and x.shape[0] in _SMALL_M
-            and x.shape[1] % 16 == 0
-            and x.is_contiguous()
-            and weight.is_contiguous()
-        ):
-            op = _cpu_op("small_linear")
-            if op is not None:
-                out = op(x, weight)
-                return out if bias is None else out.add_(bias)
+    if not _cpu_fp32_inference(x):
+        return F.linear(x, weight, bias)
+    if (
+        x.dim() == 2
+        and x.shape[0] in _SMALL_M
+        and x.shape[1] % 16 == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+    ):
+        op = _cpu_op("small_linear")
+        if op is not None:
+            out = op(x, weight)
+            return out if bias is None else out.add_(bias)
+    if _USE_ONEDNN:
         return _onednn_linear(x, weight if packed is None else packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -129,7 +127,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if (
-            _onednn_applies(x)
+            _cpu_fp32_inference(x)
             and x.dim() == 2
             and x.stride(-1) == 1
             and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1))
@@ -146,7 +144,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up for ``gate_up = [gate | up]`` along the last dim."""
-    if _onednn_applies(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+    if _cpu_fp32_inference(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         op = _cpu_op("silu_and_mul")
         if op is not None:
             return op(gate_up)
@@ -216,7 +214,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] -> rotated, same shape. On CPU in fp32 ``x`` is rotated in place
         by one C++ op (and returned); elsewhere a rotated copy is returned."""
-        if _onednn_applies(x) and x.stride(-1) == 1 and self.head_dim % 32 == 0:
+        if _cpu_fp32_inference(x) and x.stride(-1) == 1 and self.head_dim % 32 == 0:
             op = _cpu_op("rotary_embedding_")
             if op is not None:
                 return op(x, cos, sin)
