@@ -1,11 +1,13 @@
 """Typed ZeroMQ sockets: one small class per socket kind, generic over the message type.
 
 Every message is a msgspec Struct (or a tagged union of them) encoded as
-msgpack; no pickle. Senders encode into a reusable buffer; a frame past
-``ZERO_COPY_THRESHOLD`` bytes (large token arrays) is handed to ZeroMQ
-without a copy and the sender starts a fresh buffer. Receivers decode straight
-from ZeroMQ's frame memory. High-water marks are off (0): messages between our
-own processes are never dropped, and back-pressure is the scheduler's job.
+msgpack; no pickle. Synchronous senders encode into a reusable buffer (ZeroMQ
+has copied or taken the frame before ``send`` returns); a frame past
+``ZERO_COPY_THRESHOLD`` bytes (large token arrays) is handed to ZeroMQ without
+a copy and the sender starts a fresh buffer. Asyncio senders encode into fresh
+bytes. Receivers decode straight from ZeroMQ's frame memory. High-water marks
+are off (0): messages between our own processes are never dropped, and
+back-pressure is the scheduler's job.
 
 ``ipc_dir()`` makes the private directory (mode 0700) that holds the ``ipc://``
 endpoints of one server instance.
@@ -78,6 +80,10 @@ class _Encoding:
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._buf = bytearray(_INITIAL_BUFFER)
+
+    def encode(self, msg: object) -> bytes:
+        """A new immutable frame, for senders that may hold it past the call."""
+        return self._encoder.encode(msg)
 
     def frame(self, msg: object) -> tuple[bytearray, bool]:
         """Return (frame, copy): with copy False the frame now belongs to ZeroMQ."""
@@ -212,8 +218,11 @@ class AsyncPushSocket(_AsyncBase[T]):
     _kind = zmq.PUSH
 
     async def send(self, msg: T) -> None:
-        frame, copy = self._encoding.frame(msg)
-        await self.socket.send(frame, 0, copy=copy)  # type: ignore[misc]
+        # Fresh bytes, never the reused buffer: zmq.asyncio keeps a frame it cannot
+        # send at once (no peer yet, earlier sends queued) and sends it later, by
+        # which time a reused buffer would hold the next message.
+        frame = self._encoding.encode(msg)
+        await self.socket.send(frame, 0, copy=len(frame) < ZERO_COPY_THRESHOLD)  # type: ignore[misc]
 
 
 class AsyncPullSocket(_AsyncBase[T]):

@@ -148,3 +148,30 @@ def test_async_push_pull(ipc):
     msgs, got = asyncio.run(main())
     assert got == msgs
     zmq.asyncio.Context.instance()  # still usable after the loop closed
+
+
+def test_async_push_queued_sends_keep_their_own_bytes(ipc):
+    """Sends queued before a peer connects must each deliver their own message.
+
+    zmq.asyncio keeps a reference to a frame it could not send at once (no peer yet,
+    or earlier sends still queued) and sends it later; a reused encode buffer would
+    by then hold the next message (the api_server then sent one request twice and
+    lost the other).
+    """
+    ep = ipc.endpoint("queued")
+
+    async def main():
+        push = AsyncPushSocket[TokenBatch](ep, TokenBatch, bind=True)
+        msgs = [TokenBatch([RequestTokens(f"req-{i}", [i] * (i + 1))]) for i in range(5)]
+        sends = [asyncio.create_task(push.send(m)) for m in msgs]
+        await asyncio.sleep(0.05)  # every send is now queued: nobody is connected
+        assert not any(t.done() for t in sends)
+        pull = AsyncPullSocket[TokenBatch](ep, TokenBatch)
+        got = [await asyncio.wait_for(pull.recv(), 5) for _ in msgs]
+        await asyncio.gather(*sends)
+        push.close()
+        pull.close()
+        return msgs, got
+
+    msgs, got = asyncio.run(main())
+    assert got == msgs
