@@ -56,6 +56,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -116,6 +118,7 @@ class LLM:
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=token_ids,
                 outputs=[],
+                prompt_logprobs=None if sp.prompt_logprobs is None else [None],
             )
             results.append(result)
             for index in range(sp.n):
@@ -214,6 +217,9 @@ class LLM:
         seq.token_ids.extend(item.new_token_ids)
         if seq.logprobs is not None:
             seq.logprobs.extend(item.logprobs)
+        prompt_lps = seq.parent.prompt_logprobs
+        if item.prompt_logprobs and prompt_lps is not None and len(prompt_lps) == 1:
+            prompt_lps.extend(item.prompt_logprobs)  # the n sequences' copies are the same
         seq.detokenizer.update(item.new_token_ids)
         finish_reason, stop_reason = item.finish_reason, item.stop_reason
         if finish_reason is None and seq.detokenizer.stop_matched is not None:

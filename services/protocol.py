@@ -154,10 +154,24 @@ class TokenLogprobs(msgspec.Struct, **_STRUCT):
     top_logprobs: list[float] = []
 
 
+class PromptLogprobs(msgspec.Struct, **_STRUCT):
+    """Log-probabilities of one request's prompt tokens ``start .. start + len(items) - 1``,
+    each given the tokens before it (vLLM's ``prompt_logprobs``); one prefill chunk's worth.
+
+    Prompt token 0 has no logprob, so ``start`` >= 1.
+    """
+
+    req_id: str
+    start: int
+    items: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, **_STRUCT):
     """What rank 0 returns for a StepPlan: one sampled token per sampling request.
 
-    ``logprobs[i]`` is set only for requests that asked for logprobs.
+    ``logprobs[i]`` is set only for requests that asked for logprobs;
+    ``prompt_logprobs`` has an entry for each request that asked for prompt
+    logprobs and computed prompt tokens this step.
     """
 
     step_id: int
@@ -165,6 +179,7 @@ class StepResult(msgspec.Struct, **_STRUCT):
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     forward_time_s: float = 0.0
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
@@ -176,6 +191,7 @@ class RequestTokens(msgspec.Struct, **_STRUCT):
     ``finish_reason`` is one of "stop", "length", "abort", "error" once finished;
     ``stop_reason`` is the stop token id that ended it (None for EOS or length).
     ``num_cached_tokens`` is the prompt tokens taken from the prefix cache.
+    ``prompt_logprobs`` (prompt tokens 1 onwards) comes once, with the first output token.
     """
 
     req_id: str
@@ -185,6 +201,7 @@ class RequestTokens(msgspec.Struct, **_STRUCT):
     logprobs: list[TokenLogprobs] = []
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class TokenBatch(msgspec.Struct, **_STRUCT):
@@ -291,7 +308,8 @@ class RequestOutputSpec(msgspec.Struct, **_STRUCT):
     """How the detokenizer renders one request's output (sent by the tokenizer).
 
     ``prompt_tail_ids`` are the last prompt tokens, decoding context for the
-    first output token; ``prompt_text`` is set only when the client asked for echo.
+    first output token; ``prompt_text`` is set only when the client asked for echo;
+    ``first_prompt_token_id`` only when it asked for prompt logprobs.
     """
 
     req_id: str
@@ -299,6 +317,7 @@ class RequestOutputSpec(msgspec.Struct, **_STRUCT):
     num_prompt_tokens: int
     prompt_tail_ids: list[int] = []
     prompt_text: str | None = None
+    first_prompt_token_id: int | None = None
 
 
 class DecodedLogprob(msgspec.Struct, **_STRUCT):
@@ -311,6 +330,14 @@ class DecodedLogprob(msgspec.Struct, **_STRUCT):
     top_token_ids: list[int] = []
     top_tokens: list[str] = []
     top_logprobs: list[float] = []
+
+
+class DecodedPromptLogprobs(msgspec.Struct, **_STRUCT):
+    """The prompt's tokens with their log-probabilities; the first token has none."""
+
+    first_token_id: int
+    first_token: str
+    items: list[DecodedLogprob] = []  # prompt tokens 1 onwards
 
 
 class TextDelta(msgspec.Struct, **_STRUCT):
@@ -331,6 +358,7 @@ class TextDelta(msgspec.Struct, **_STRUCT):
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     prompt_text: str | None = None
+    prompt_logprobs: DecodedPromptLogprobs | None = None  # on the first delta with tokens
 
 
 class TextDeltaBatch(msgspec.Struct, **_TAGGED):

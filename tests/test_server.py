@@ -185,6 +185,83 @@ def test_logprobs_equal_offline(client: openai.OpenAI, llm: LLM) -> None:
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0.0 for t in content)
 
 
+def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, llm: LLM) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo + logprobs, one token or none."""
+    prompt = PROMPTS[0]
+    (expected,) = llm.generate(prompt, greedy(1, logprobs=1, prompt_logprobs=1))
+    ref = expected.prompt_logprobs
+    assert ref is not None and len(ref) == len(expected.prompt_token_ids) >= 4
+    for max_tokens in (1, 0):
+        resp = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=1,
+            echo=True,
+        )
+        choice = resp.choices[0]
+        lps = choice.logprobs
+        assert lps is not None and lps.token_logprobs is not None and lps.top_logprobs is not None
+        assert lps.tokens is not None and lps.text_offset is not None
+        n = len(ref) + max_tokens
+        assert len(lps.tokens) == len(lps.token_logprobs) == len(lps.top_logprobs) == n
+        assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+        prompt_part = zip(
+            lps.token_logprobs[1 : len(ref)], lps.top_logprobs[1 : len(ref)], ref[1:], strict=True
+        )
+        for got, top, want in prompt_part:
+            assert want is not None and got == pytest.approx(want.logprob, abs=1e-3)
+            assert top is not None and got in top.values() and 1 <= len(top) <= 2
+        assert "".join(lps.tokens[: len(ref)]) == prompt
+        assert lps.text_offset[0] == 0 and lps.text_offset[1] == len(lps.tokens[0])
+        generated = expected.outputs[0].text if max_tokens else ""
+        assert choice.text == prompt + generated
+        if max_tokens:
+            assert lps.token_logprobs[-1] == pytest.approx(
+                expected.outputs[0].logprobs[0].logprob,  # type: ignore[index]
+                abs=1e-3,
+            )
+
+    # prompt_logprobs (vLLM's extra): per prompt token, a map of token id -> logprob/rank/text.
+    resp = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 2},
+    )
+    got = (resp.choices[0].model_extra or {})["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ref)
+    for entry, want, token_id in zip(got[1:], ref[1:], expected.prompt_token_ids[1:], strict=True):
+        assert want is not None and 2 <= len(entry) <= 3  # the prompt token, plus the top 2
+        mine = entry[str(token_id)]
+        assert mine["logprob"] == pytest.approx(want.logprob, abs=1e-3)
+        assert mine["rank"] == want.rank
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=CHAT,
+        max_tokens=1,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"prompt_logprobs": 0},
+    )
+    got = (chat.model_extra or {})["prompt_logprobs"]
+    assert chat.usage is not None and len(got) == chat.usage.prompt_tokens
+    assert got[0] is None and all(len(e) == 1 for e in got[1:])
+
+    # Streaming cannot carry them (vLLM's rule): a 400 naming the parameter.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=prompt,
+            stream=True,
+            extra_body={"prompt_logprobs": 1},
+        )
+    assert err.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
+
+
 # ---------------------------------------------------------------- concurrency
 
 

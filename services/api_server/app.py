@@ -147,11 +147,17 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         model = check_model(req.model)
         req.check()
         prompts = req.prompts()
-        sampling = req.sampling_params(req.max_tokens, req.logprobs)
+        sampling = req.completion_sampling_params()
         validate_sampling(sampling)
         check_admission()
         ctx = serving.ResponseContext(
-            f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, req.n, len(prompts), req.echo
+            f"cmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            model,
+            req.n,
+            len(prompts),
+            echo=req.echo,
+            echo_only=req.echo_only,
         )
         now = time.time()
 
@@ -187,7 +193,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
-        sampling = req.sampling_params(max_tokens, req.num_logprobs)
+        sampling = req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs)
         validate_sampling(sampling)
         check_admission()
         ctx = serving.ResponseContext(

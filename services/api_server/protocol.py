@@ -56,8 +56,11 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    prompt_logprobs: int | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -75,6 +78,7 @@ class _SamplingFields(OpenAIBaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -91,6 +95,10 @@ class _SamplingFields(OpenAIBaseModel):
             raise ParamError(
                 "cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided."
             )
+        if self.stream and self.prompt_logprobs:
+            raise ParamError(
+                "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
+            )
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -102,6 +110,20 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     add_special_tokens: bool = True
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: return the prompt (and its logprobs), generate nothing
+        (one token is still sampled and dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_sampling_params(self) -> SamplingParams:
+        # With echo, the prompt's logprobs are part of the logprobs returned (vLLM's rule).
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: each a string or a list of token ids."""

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from services.api_server.frontend import EngineRequestError
-from services.protocol import DecodedLogprob, TextDelta
+from services.protocol import DecodedLogprob, DecodedPromptLogprobs, TextDelta
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -47,6 +47,7 @@ class ResponseContext:
     n: int
     num_prompts: int = 1
     echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, its token dropped
 
     @property
     def num_choices(self) -> int:
@@ -64,6 +65,7 @@ class ChoiceState:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     prompt_chars: int = 0  # echoed prompt text at the start of the choice's text
+    prompt_logprobs: DecodedPromptLogprobs | None = None
 
     def update(self, delta: TextDelta, text: str) -> int:
         """Record a delta (``text`` may start with the echoed prompt); return where its
@@ -74,6 +76,7 @@ class ChoiceState:
         self.text.append(text)
         self.num_chars += len(text)
         self.logprobs += delta.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
@@ -101,28 +104,72 @@ def _check_error(delta: TextDelta) -> None:
 # ---------------------------------------------------------------- completions
 
 
-def completion_logprobs(lps: list[DecodedLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    lps: list[DecodedLogprob], offset: int, prompt: DecodedPromptLogprobs | None = None
+) -> dict[str, Any]:
+    """The completions ``logprobs`` object; with ``prompt`` (echo), the prompt's tokens come
+    first, the first of them with null logprobs, and offsets count from the prompt's start."""
     out: dict[str, list[Any]] = {
         "text_offset": [],
         "token_logprobs": [],
         "tokens": [],
         "top_logprobs": [],
     }
-    for lp in lps:
+
+    def add(token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        nonlocal offset
         out["text_offset"].append(offset)
-        out["token_logprobs"].append(_lp(lp.logprob))
-        out["tokens"].append(lp.token)
+        out["token_logprobs"].append(logprob)
+        out["tokens"].append(token)
+        out["top_logprobs"].append(top)
+        offset += len(token)
+
+    if prompt is not None:
+        add(prompt.first_token, None, None)
+        lps = [*prompt.items, *lps]
+    for lp in lps:
         top = {lp.token: _lp(lp.logprob)}
         top.update({t: _lp(x) for t, x in zip(lp.top_tokens, lp.top_logprobs, strict=False)})
-        out["top_logprobs"].append(top)
-        offset += len(lp.token)
+        add(lp.token, _lp(lp.logprob), top)
     return out
 
 
+def prompt_logprobs_json(prompt: DecodedPromptLogprobs | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then for each token a map
+    from token id to its logprob, rank and text (the prompt's token, then the top-N)."""
+    if prompt is None:
+        return None
+    out: list[Any] = [None]
+    for lp in prompt.items:
+        entry = {str(lp.token_id): _logprob_entry(lp.logprob, lp.rank, lp.token)}
+        alternatives = zip(lp.top_token_ids, lp.top_tokens, lp.top_logprobs, strict=True)
+        for rank, (token_id, token, logprob) in enumerate(alternatives, start=1):
+            entry.setdefault(str(token_id), _logprob_entry(logprob, rank, token))
+        out.append(entry)
+    return out
+
+
+def _logprob_entry(logprob: float, rank: int, token: str) -> dict[str, Any]:
+    return {"logprob": _lp(logprob), "rank": rank, "decoded_token": token}
+
+
 def _completion_text(ctx: ResponseContext, delta: TextDelta) -> str:
+    text = "" if ctx.echo_only else delta.text
     if ctx.echo and delta.prompt_text is not None:
-        return delta.prompt_text + delta.text
-    return delta.text
+        return delta.prompt_text + text
+    return text
+
+
+def _completion_lps(
+    ctx: ResponseContext,
+    lps: list[DecodedLogprob],
+    offset: int,
+    prompt: DecodedPromptLogprobs | None,
+) -> dict[str, Any]:
+    """Logprobs of a choice (or of one chunk of it): echoed prompt tokens first, then outputs."""
+    if not ctx.echo or prompt is None:
+        return completion_logprobs(lps, offset)
+    return completion_logprobs([] if ctx.echo_only else lps, 0, prompt)
 
 
 async def completion_stream(
@@ -134,10 +181,13 @@ async def completion_stream(
             _check_error(delta)
             text = _completion_text(ctx, delta)
             offset = states[index].update(delta, text)
+            lps = None
+            if want_logprobs:
+                lps = _completion_lps(ctx, delta.logprobs, offset, delta.prompt_logprobs)
             choice = {
                 "index": index,
                 "text": text,
-                "logprobs": completion_logprobs(delta.logprobs, offset) if want_logprobs else None,
+                "logprobs": lps,
                 "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason,
             }
@@ -159,7 +209,9 @@ async def completion_full(
     choices = []
     for i, s in enumerate(states):
         text = "".join(s.text)
-        lps = completion_logprobs(s.logprobs, s.prompt_chars) if want_logprobs else None
+        lps = None
+        if want_logprobs:
+            lps = _completion_lps(ctx, s.logprobs, s.prompt_chars, s.prompt_logprobs)
         choices.append(
             {
                 "index": i,
@@ -167,6 +219,7 @@ async def completion_full(
                 "logprobs": lps,
                 "finish_reason": s.finish_reason,
                 "stop_reason": s.stop_reason,
+                "prompt_logprobs": prompt_logprobs_json(s.prompt_logprobs),
             }
         )
     return {**_chunk(ctx, "text_completion", choices), "usage": usage(ctx, states)}
@@ -251,4 +304,8 @@ async def chat_full(ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool
         }
         for i, s in enumerate(states)
     ]
-    return {**_chunk(ctx, "chat.completion", choices), "usage": usage(ctx, states)}
+    return {
+        **_chunk(ctx, "chat.completion", choices),
+        "usage": usage(ctx, states),
+        "prompt_logprobs": prompt_logprobs_json(states[0].prompt_logprobs),
+    }

@@ -23,6 +23,7 @@ from services.ipc import PullSocket, PushSocket, report_ready
 from services.protocol import (
     ApiServerInput,
     DecodedLogprob,
+    DecodedPromptLogprobs,
     EngineCoreInput,
     FinishRequest,
     RequestOutputSpec,
@@ -103,6 +104,14 @@ class OutputProcessor:
 
     def _step(self, state: _RequestState, item: RequestTokens) -> TextDelta | None:
         detok = state.detok
+        prompt_logprobs = None
+        first_id = state.spec.first_prompt_token_id
+        if first_id is not None and item.new_token_ids and not state.num_output_tokens:
+            prompt_logprobs = DecodedPromptLogprobs(
+                first_token_id=first_id,
+                first_token=self.tokenizer.decode([first_id], skip_special_tokens=False),
+                items=[self._decode_logprobs(lp) for lp in item.prompt_logprobs],
+            )
         # The scheduler's "stop" is always a token (EOS or stop_token_ids), never a string.
         text = detok.update(item.new_token_ids, stop_terminated=item.finish_reason == "stop")
         state.num_output_tokens += len(item.new_token_ids)
@@ -134,6 +143,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             num_output_tokens=state.num_output_tokens,
             prompt_text=prompt_text,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _decode_logprobs(self, lp: TokenLogprobs) -> DecodedLogprob:

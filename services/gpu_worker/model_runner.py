@@ -20,9 +20,12 @@ from services.config import EngineConfig, ModelArchConfig
 from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attention_backend
 from services.gpu_worker.input_batch import CachedRequestState, InputBatch
 from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.sampler import Sampler, SamplerOutput
+from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
 from services.model_loader import dummy_weights, iter_weights, load_hf_config
-from services.protocol import StepPlan, StepResult, TokenLogprobs
+from services.protocol import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+
+# Prompt logprobs score this many positions at a time: [rows, vocab] fp32 logits stay small.
+_PROMPT_LOGPROBS_ROWS = 256
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32,
@@ -236,8 +239,13 @@ class ModelRunner:
                 attn_meta,
                 self.kv_caches,
             )
+            prompt_logprobs = self._prompt_logprobs(hidden, states, computed, scheduled)
             if not sample_states:
-                return StepResult(step_id=plan.step_id, forward_time_s=time.perf_counter() - start)
+                return StepResult(
+                    step_id=plan.step_id,
+                    forward_time_s=time.perf_counter() - start,
+                    prompt_logprobs=prompt_logprobs,
+                )
             logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
             md = batch.sampling_metadata(sample_states, logits.shape[1])
             out = self.sampler(logits, md)
@@ -249,7 +257,43 @@ class ModelRunner:
             sampled_token_ids=sampled.tolist(),
             logprobs=_to_token_logprobs(out, sample_states),
             forward_time_s=time.perf_counter() - start,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        computed: np.ndarray,
+        scheduled: np.ndarray,
+    ) -> list[PromptLogprobs]:
+        """Prompt logprobs for the requests that asked: the hidden state at position p
+        scores prompt token p + 1, so a chunk covering positions [a, b) yields tokens
+        a + 1 .. min(b, num_prompt_tokens - 1). The last prompt position samples instead."""
+        result: list[PromptLogprobs] = []
+        chunk_starts = np.cumsum(scheduled) - scheduled
+        for i, s in enumerate(states):
+            num_top = s.sampling.prompt_logprobs
+            first, end = (
+                int(computed[i]),
+                min(int(computed[i] + scheduled[i]), s.num_prompt_tokens - 1),
+            )
+            if num_top is None or first >= end:
+                continue
+            targets = torch.from_numpy(
+                self.input_batch.token_ids[s.row, first + 1 : end + 1].astype(np.int64)
+            ).to(self.device)
+            items: list[TokenLogprobs] = []
+            for off in range(0, end - first, _PROMPT_LOGPROBS_ROWS):
+                row0 = int(chunk_starts[i]) + off
+                tgt = targets[off : off + _PROMPT_LOGPROBS_ROWS]
+                logprobs = self.model.compute_logits(hidden[row0 : row0 + len(tgt)])
+                top_ids, top_lps, lps, ranks = gather_logprobs(
+                    logprobs.log_softmax(dim=-1), tgt, num_top
+                )
+                items += _token_logprobs(tgt, top_ids, top_lps, lps, ranks)
+            result.append(PromptLogprobs(s.req_id, first + 1, items))
+        return result
 
 
 def build_attention_metadata(
@@ -285,29 +329,45 @@ def build_attention_metadata(
     return meta, token_req, positions
 
 
+def _token_logprobs(
+    token_ids: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_lps: torch.Tensor,
+    lps: torch.Tensor,
+    ranks: torch.Tensor,
+) -> list[TokenLogprobs]:
+    return [
+        TokenLogprobs(token_id=t, logprob=lp, rank=r, top_token_ids=ti, top_logprobs=tl)
+        for t, lp, r, ti, tl in zip(
+            token_ids.tolist(),
+            lps.tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_lps.tolist(),
+            strict=True,
+        )
+    ]
+
+
 def _to_token_logprobs(
     out: SamplerOutput, states: list[CachedRequestState]
 ) -> list[TokenLogprobs | None]:
+    """Each sampling row's logprobs, cut to the top-N its request asked for (None: not asked)."""
     if out.top_token_ids is None:
         return [None] * len(states)
     assert out.top_logprobs is not None
     assert out.sampled_logprobs is not None and out.sampled_ranks is not None
-    top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
-    lps, ranks = out.sampled_logprobs.tolist(), out.sampled_ranks.tolist()
-    sampled = out.sampled_token_ids.tolist()
+    rows = _token_logprobs(
+        out.sampled_token_ids,
+        out.top_token_ids,
+        out.top_logprobs,
+        out.sampled_logprobs,
+        out.sampled_ranks,
+    )
     result: list[TokenLogprobs | None] = []
-    for i, s in enumerate(states):
+    for row, s in zip(rows, states, strict=True):
         n = s.sampling.logprobs
-        if n is None:
-            result.append(None)
-            continue
-        result.append(
-            TokenLogprobs(
-                token_id=sampled[i],
-                logprob=lps[i],
-                rank=ranks[i],
-                top_token_ids=top_ids[i][:n],
-                top_logprobs=top_lps[i][:n],
-            )
-        )
+        if n is not None:
+            row.top_token_ids, row.top_logprobs = row.top_token_ids[:n], row.top_logprobs[:n]
+        result.append(None if n is None else row)
     return result

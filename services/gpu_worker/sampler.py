@@ -141,9 +141,17 @@ class Sampler:
             random_tokens = (probs / q).argmax(dim=-1)
             out.sampled_token_ids = torch.where(md.greedy, greedy_tokens, random_tokens)
         if raw_logprobs is not None and md.max_num_logprobs is not None:
-            top = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
-            out.top_token_ids, out.top_logprobs = top.indices, top.values
-            sampled_lp = raw_logprobs.gather(1, out.sampled_token_ids[:, None])
-            out.sampled_logprobs = sampled_lp[:, 0]
-            out.sampled_ranks = (raw_logprobs >= sampled_lp).sum(dim=-1)
+            (out.top_token_ids, out.top_logprobs, out.sampled_logprobs, out.sampled_ranks) = (
+                gather_logprobs(raw_logprobs, out.sampled_token_ids, md.max_num_logprobs)
+            )
         return out
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows of log-probabilities [N, vocab] and one token per row [N]: the top
+    ``num_top`` ids and logprobs [N, num_top], and the token's logprob and 1-based rank [N]."""
+    top = logprobs.topk(num_top, dim=-1)
+    token_lp = logprobs.gather(1, token_ids[:, None])
+    return top.indices, top.values, token_lp[:, 0], (logprobs >= token_lp).sum(dim=-1)

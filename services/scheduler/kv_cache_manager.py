@@ -57,7 +57,7 @@ class KVCacheManager:
         positions), so they are unaffected. vLLM v1 instead recomputes the
         whole last block; we save up to ``block_size - 1`` tokens of prefill.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes:
@@ -129,7 +129,7 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
 
     def record_prefix_cache_query(self, request: Request, num_hit_tokens: int) -> None:
-        if self.enable_caching:
+        if self.enable_caching and not request.skip_reading_prefix_cache:
             self.block_pool.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, preempted=request.num_preemptions > 0
             )

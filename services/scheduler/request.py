@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 
-from services.protocol import SamplingParams, TokenizedRequest
+from services.protocol import PromptLogprobs, SamplingParams, TokenizedRequest, TokenLogprobs
 from services.scheduler.block_hash import BlockHash
 
 
@@ -94,6 +94,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._block_hasher: Callable[[Request], list[BlockHash]] | None = None
 
+        # Prompt tokens 1.. scored so far (prompt_logprobs), sent once with the first output.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs_sent = False
+
     @classmethod
     def from_tokenized(cls, msg: TokenizedRequest) -> Request:
         return cls(
@@ -115,6 +119,24 @@ class Request:
         self.all_token_ids.extend(token_ids)
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Take in a chunk's prompt logprobs; a chunk recomputed after preemption replaces
+        what it covers (and is dropped once the prompt's logprobs went out)."""
+        if not self.prompt_logprobs_pending:
+            return
+        del self.prompt_logprobs[chunk.start - 1 :]
+        self.prompt_logprobs.extend(chunk.items)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Asked for prompt logprobs and not sent them yet."""
+        return self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed, so no prefix hit (as vLLM)."""
+        return self.prompt_logprobs_pending
 
     def record_event(self, event: RequestEventType, ts: float | None = None) -> None:
         self.events.append((event, time.monotonic() if ts is None else ts))

@@ -15,6 +15,7 @@ from services.protocol import (
     RunningRequestDelta,
     StepPlan,
     StepResult,
+    TokenLogprobs,
 )
 from services.scheduler.block_hash import BlockHasher
 from services.scheduler.capacity import check_kv_capacity
@@ -300,6 +301,7 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} given for plan {plan.step_id}")
         outputs, self._pending_outputs = self._pending_outputs, []
         sampled = {req_id: i for i, req_id in enumerate(result.req_ids)}
+        prompt_logprobs = {chunk.req_id: chunk for chunk in result.prompt_logprobs}
         now = time.monotonic()
         any_finished = False
         scheduled_ids = itertools.chain(
@@ -310,6 +312,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             self.kv_cache_manager.cache_blocks(request)
+            if (chunk := prompt_logprobs.get(req_id)) is not None:
+                request.add_prompt_logprobs(chunk)
             i = sampled.get(req_id)
             if request.num_computed_tokens < request.num_tokens:
                 if i is not None:
@@ -346,6 +350,10 @@ class Scheduler:
     def _output(
         request: Request, new_token_ids: list[int], finish_reason: str | None, logprobs=()
     ) -> RequestTokens:
+        prompt_logprobs: list[TokenLogprobs] = []
+        if new_token_ids and request.prompt_logprobs_pending:
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+            request.prompt_logprobs_sent = True
         return RequestTokens(
             req_id=request.req_id,
             new_token_ids=new_token_ids,
@@ -354,6 +362,7 @@ class Scheduler:
             logprobs=list(logprobs),
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ state out

@@ -140,6 +140,7 @@ class RequestProcessor:
             num_prompt_tokens=len(ids),
             prompt_tail_ids=ids[-_PROMPT_TAIL:],
             prompt_text=text if req.echo else None,
+            first_prompt_token_id=ids[0] if sampling.prompt_logprobs is not None else None,
         )
         return tokenized, spec
 
