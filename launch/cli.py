@@ -136,6 +136,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="answer 429 while more requests than this wait for the engine",
     )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="add an X-Request-Id header to every response (the request's own, or a new one)",
+    )
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument(
         "--kv-events-endpoint",

@@ -185,6 +185,7 @@ def run_server(args: object) -> int:
         api_key=a.get("api_key"),
         shutdown_timeout=a["shutdown_timeout"],
         max_num_queued_reqs=a.get("max_num_queued_reqs"),
+        enable_request_id_headers=bool(a.get("enable_request_id_headers")),
         tokenizer_workers=a["tokenizer_workers"],
         log_level=a["uvicorn_log_level"],
         log_stats_interval=a.get("log_stats_interval") or 10.0,

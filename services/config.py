@@ -373,6 +373,7 @@ class ServeConfig:
     api_key: str | None = None
     shutdown_timeout: float = 30.0
     max_num_queued_reqs: int | None = None
+    enable_request_id_headers: bool = False
     tokenizer_workers: int = 1
     num_blocks: int = 0  # measured by the worker, given to the scheduler
     log_level: str = "info"

@@ -128,7 +128,9 @@ def server():
         threading.Thread(target=serve_detokenizer, args=(info.tokenizer, de, stop)),
     ]
     frontend = EngineFrontend(fe, max_model_len=MAX_LEN)
-    settings = ServerSettings([MODEL], max_request_body_bytes=1 << 20)
+    settings = ServerSettings(
+        [MODEL], max_request_body_bytes=1 << 20, enable_request_id_headers=True
+    )
     port = _free_port()
     uv = uvicorn.Server(
         uvicorn.Config(
@@ -554,3 +556,44 @@ def test_api_key():
     assert r1.json()["error"]["code"] == 401
     assert r3.status_code == 200 and r4.status_code == 200
     assert r3.json()["data"][0]["id"] == MODEL
+
+
+def test_request_ids_from_header_or_body(server, http):
+    """vLLM's rule: the response id is ``cmpl-{X-Request-Id | request_id | random}``; with
+    --enable-request-id-headers every response carries the X-Request-Id header."""
+    sched = server[1]
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = http.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-1"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-abc-1"
+    assert r.headers["x-request-id"] == "abc-1"
+    r = http.post("/v1/chat/completions", json=_chat_body("xyz"))
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-xyz"
+    r = http.post("/v1/completions", json=body)
+    assert r.json()["id"].startswith("cmpl-") and len(r.headers["x-request-id"]) == 32
+    assert http.get("/v1/models", headers={"X-Request-Id": "m"}).headers["x-request-id"] == "m"
+
+    # A client's id need not be unique: two requests in flight with one id both complete.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        same = [
+            pool.submit(
+                http.post,
+                "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 20},
+                headers={"X-Request-Id": "dup"},
+            )
+            for _ in range(2)
+        ]
+        results = [f.result() for f in same]
+    assert [x.status_code for x in results] == [200, 200]
+    assert [x.json()["id"] for x in results] == ["cmpl-dup", "cmpl-dup"]
+    engine_ids = [m.req_id for m in sched.received if isinstance(m, TokenizedRequest)]
+    dup_ids = [i for i in engine_ids if i.startswith("cmpl-dup-")]
+    assert len(dup_ids) == len(set(dup_ids)) == 2
+
+
+def _chat_body(request_id: str) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "request_id": request_id,
+    }

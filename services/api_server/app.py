@@ -25,6 +25,7 @@ from services.api_server.http_io import (
     APIError,
     AuthMiddleware,
     ClientGone,
+    XRequestIdMiddleware,
     error_response,
     parse_body,
     prepend,
@@ -57,6 +58,7 @@ class ServerSettings:
     api_key: str | None = None
     max_num_queued_reqs: int | None = None  # None: no limit; over it new requests get 429
     max_request_body_bytes: int = 8 << 20
+    enable_request_id_headers: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -110,18 +112,30 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         if cap is not None and frontend.num_waiting >= cap:
             raise APIError(429, f"Too many queued requests (limit {cap}); retry later.")
 
+    def response_ids(request: Request, prefix: str, body_id: str | None) -> tuple[str, str]:
+        """(response id, engine request ids' base): vLLM's ``{prefix}-{id}``, the id taken from
+        the X-Request-Id header, else the body's ``request_id``, else random. A client's id
+        need not be unique, so its engine requests also get a random suffix."""
+        given = request.headers.get("x-request-id") or body_id
+        if not given:
+            response_id = f"{prefix}-{uuid.uuid4().hex}"
+            return response_id, response_id
+        return f"{prefix}-{given}", f"{prefix}-{given}-{uuid.uuid4().hex[:8]}"
+
     def fan_out(
         ctx: serving.ResponseContext,
+        base_id: str,
         sampling: SamplingParams,
         make: Callable[[str, SamplingParams, int], GenerateRequest],
     ) -> list[GenerateRequest]:
-        """n choices per prompt: engine requests ``{id}-{index}``, seed+i when seeded (as vLLM)."""
+        """n choices per prompt: engine requests ``{base_id}-{index}``, seed+i when seeded
+        (as vLLM)."""
         reqs = []
         for p in range(ctx.num_prompts):
             for i in range(ctx.n):
                 seed = None if sampling.seed is None else sampling.seed + i
                 sub = msgspec.structs.replace(sampling, n=1, seed=seed)
-                reqs.append(make(f"{ctx.id}-{p * ctx.n + i}", sub, p))
+                reqs.append(make(f"{base_id}-{p * ctx.n + i}", sub, p))
         requests_sent.inc(len(reqs))
         return reqs
 
@@ -150,8 +164,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         sampling = req.completion_sampling_params()
         validate_sampling(sampling)
         check_admission()
+        response_id, base_id = response_ids(request, "cmpl", req.request_id)
         ctx = serving.ResponseContext(
-            f"cmpl-{uuid.uuid4().hex}",
+            response_id,
             int(time.time()),
             model,
             req.n,
@@ -180,7 +195,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         return await respond(
             request,
             req.stream,
-            frontend.generate(fan_out(ctx, sampling, make)),
+            frontend.generate(fan_out(ctx, base_id, sampling, make)),
             lambda d: serving.completion_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
             lambda d: serving.completion_full(ctx, d, want_logprobs=want_lp),
         )
@@ -196,9 +211,8 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         sampling = req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs)
         validate_sampling(sampling)
         check_admission()
-        ctx = serving.ResponseContext(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, req.n
-        )
+        response_id, base_id = response_ids(request, "chatcmpl", req.request_id)
+        ctx = serving.ResponseContext(response_id, int(time.time()), model, req.n)
         messages = [m.to_template() for m in req.messages]
         now = time.time()
 
@@ -221,7 +235,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         return await respond(
             request,
             req.stream,
-            frontend.generate(fan_out(ctx, sampling, make)),
+            frontend.generate(fan_out(ctx, base_id, sampling, make)),
             lambda d: serving.chat_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
             lambda d: serving.chat_full(ctx, d, want_logprobs=want_lp),
         )
@@ -302,4 +316,6 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     if settings.api_key:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)  # type: ignore[arg-type]
+    if settings.enable_request_id_headers:  # outermost: even a 401 carries the id
+        app.add_middleware(XRequestIdMiddleware)  # type: ignore[arg-type]
     return app

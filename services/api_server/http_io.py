@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -126,3 +127,27 @@ async def prepend(first: tuple[int, Any], rest: AsyncIterator[Any]) -> AsyncIter
     yield first
     async for item in rest:
         yield item
+
+
+class XRequestIdMiddleware:
+    """``--enable-request-id-headers``: every HTTP response carries an X-Request-Id header,
+    the request's own or a new random one (vLLM's middleware). Plain ASGI, so streamed
+    responses pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

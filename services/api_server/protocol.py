@@ -57,6 +57,7 @@ class _SamplingFields(OpenAIBaseModel):
     cache_salt: str | None = None
     priority: int = 0
     prompt_logprobs: int | None = None
+    request_id: str | None = None  # the response id's suffix; an X-Request-Id header wins
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
