@@ -85,7 +85,10 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
         if frontend.num_running:
             logger.warning("shutdown timeout: aborting %d requests", frontend.num_running)
             await frontend.abort(frontend.live_request_ids())
-            await asyncio.sleep(0.5)  # let the abort deltas reach the clients
+            # Let the abort deltas reach the clients; a CPU step in flight can take seconds.
+            abort_deadline = asyncio.get_running_loop().time() + 10
+            while frontend.num_running and asyncio.get_running_loop().time() < abort_deadline:
+                await asyncio.sleep(0.05)
         server.should_exit = True
 
     async def main() -> None:

@@ -15,6 +15,7 @@ endpoints of one server instance.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -217,12 +218,17 @@ class AsyncPushSocket(_AsyncBase[T]):
 
     _kind = zmq.PUSH
 
-    async def send(self, msg: T) -> None:
+    def send_nowait(self, msg: T) -> asyncio.Future[Any]:
+        """Queue ``msg``; the future is done once ZeroMQ has it, at once unless no peer is
+        connected or earlier sends wait. Cancelling it before then drops the message."""
         # Fresh bytes, never the reused buffer: zmq.asyncio keeps a frame it cannot
-        # send at once (no peer yet, earlier sends queued) and sends it later, by
-        # which time a reused buffer would hold the next message.
+        # send at once and sends it later, by which time a reused buffer would hold
+        # the next message.
         frame = self._encoding.encode(msg)
-        await self.socket.send(frame, 0, copy=len(frame) < ZERO_COPY_THRESHOLD)  # type: ignore[misc]
+        return self.socket.send(frame, 0, copy=len(frame) < ZERO_COPY_THRESHOLD)  # type: ignore[return-value]
+
+    async def send(self, msg: T) -> None:
+        await self.send_nowait(msg)
 
 
 class AsyncPullSocket(_AsyncBase[T]):

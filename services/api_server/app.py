@@ -108,9 +108,6 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             raise APIError(503, "The engine is not running.")
         if frontend.draining:
             raise APIError(503, "The server is shutting down.")
-        cap = settings.max_num_queued_reqs
-        if cap is not None and frontend.num_waiting >= cap:
-            raise APIError(429, f"Too many queued requests (limit {cap}); retry later.")
 
     def response_ids(request: Request, prefix: str, body_id: str | None) -> tuple[str, str]:
         """(response id, engine request ids' base): vLLM's ``{prefix}-{id}``, the id taken from
@@ -195,7 +192,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         return await respond(
             request,
             req.stream,
-            frontend.generate(fan_out(ctx, base_id, sampling, make)),
+            frontend.generate(
+                fan_out(ctx, base_id, sampling, make), max_waiting=settings.max_num_queued_reqs
+            ),
             lambda d: serving.completion_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
             lambda d: serving.completion_full(ctx, d, want_logprobs=want_lp),
         )
@@ -235,7 +234,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         return await respond(
             request,
             req.stream,
-            frontend.generate(fan_out(ctx, base_id, sampling, make)),
+            frontend.generate(
+                fan_out(ctx, base_id, sampling, make), max_waiting=settings.max_num_queued_reqs
+            ),
             lambda d: serving.chat_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
             lambda d: serving.chat_full(ctx, d, want_logprobs=want_lp),
         )

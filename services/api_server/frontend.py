@@ -76,12 +76,24 @@ class EngineFrontend:
     def __init__(self, endpoints: FrontendEndpoints, *, max_model_len: int) -> None:
         self.endpoints = endpoints
         self.max_model_len = max_model_len
-        self.errored = False
         self.draining = False
         self._live: dict[str, _Live] = {}
         self._num_waiting = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._recv_task: asyncio.Task[None] | None = None
+        self._dead = asyncio.Event()  # ``errored``; also wakes sends waiting for a tokenizer
+
+    @property
+    def errored(self) -> bool:
+        """The engine died (``EngineDead``): every request gets a 503."""
+        return self._dead.is_set()
+
+    @errored.setter
+    def errored(self, value: bool) -> None:
+        if value:
+            self._dead.set()
+        else:
+            self._dead.clear()
 
     @property
     def num_waiting(self) -> int:
@@ -107,7 +119,7 @@ class EngineFrontend:
     async def close(self) -> None:
         if self._recv_task is not None:
             self._recv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._recv_task
             for sock in (self._requests, self._outputs, self._engine):
                 sock.close()
@@ -127,13 +139,16 @@ class EngineFrontend:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 logger.exception("dropping an undecodable message from the engine")
                 continue
-            if isinstance(msg, TextDeltaBatch):
-                for delta in msg.items:
-                    self._deliver(delta.req_id, delta)
-            elif isinstance(msg, EngineDead):
-                self.fail_all(msg.reason)
-            else:
-                self._deliver(msg.req_id, msg)
+            try:
+                if isinstance(msg, TextDeltaBatch):
+                    for delta in msg.items:
+                        self._deliver(delta.req_id, delta)
+                elif isinstance(msg, EngineDead):
+                    self.fail_all(msg.reason)
+                else:
+                    self._deliver(msg.req_id, msg)
+            except Exception:  # this loop serves every request: it must outlive any one message
+                logger.exception("failed to route a message from the engine")
 
     def _deliver(
         self, req_id: str, item: TextDelta | RequestError | TokenizeResult | DetokenizeResult
@@ -163,31 +178,61 @@ class EngineFrontend:
         if live is not None and live.waiting:
             self._num_waiting -= 1
 
-    async def generate(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+    async def generate(
+        self, reqs: list[GenerateRequest], *, max_waiting: int | None = None
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Send a request group and stream its deltas; a 429 if ``max_waiting`` requests or
+        more already wait for their first output (checked and counted in one step)."""
         queue: asyncio.Queue = asyncio.Queue()  # type: ignore[type-arg]
-        for i, req in enumerate(reqs):
-            self._register(req.req_id, queue, i)
-        unfinished = {r.req_id for r in reqs}
+        if max_waiting is not None and self._num_waiting >= max_waiting:
+            raise EngineRequestError(
+                429,
+                f"Too many queued requests (limit {max_waiting}); retry later.",
+                "RateLimitError",
+            )
+        registered: list[str] = []
+        sent: list[str] = []
+        finished: set[str] = set()
         try:
+            for i, req in enumerate(reqs):
+                self._register(req.req_id, queue, i)
+                registered.append(req.req_id)
             for req in reqs:
-                await self._requests.send(req)
-            while unfinished:
+                await self._send(req)
+                sent.append(req.req_id)
+            while len(finished) < len(reqs):
                 index, item = await queue.get()
                 if isinstance(item, RequestError):
                     raise EngineRequestError.from_msg(item)
                 assert isinstance(item, TextDelta)
                 if item.finish_reason is not None:
-                    unfinished.discard(item.req_id)
+                    finished.add(item.req_id)
                     self._release(item.req_id)
                 yield index, item
         finally:
-            for req in reqs:
-                self._release(req.req_id)
-            if unfinished:
+            for req_id in registered:
+                self._release(req_id)
+            if unfinished := [r for r in sent if r not in finished]:
                 # May run inside a cancelled scope (client gone): send from a new task.
-                task = asyncio.get_running_loop().create_task(self.abort(sorted(unfinished)))
+                task = asyncio.get_running_loop().create_task(self.abort(unfinished))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, msg: TokenizerInput) -> None:
+        """Hand a message to the tokenizers. A send waits while no tokenizer is connected
+        (start-up, or all of them dead): a 503 if the engine dies meanwhile."""
+        sending = self._requests.send_nowait(msg)
+        if not sending.done():
+            dead = asyncio.ensure_future(self._dead.wait())
+            try:
+                await asyncio.wait((sending, dead), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                dead.cancel()
+                if not sending.done():
+                    sending.cancel()  # a queued send that is cancelled is never sent
+        if sending.cancelled():
+            raise EngineRequestError(503, "The engine is not running.", "ServiceUnavailableError")
+        sending.result()
 
     async def abort(self, req_ids: list[str]) -> None:
         """Tell the scheduler to stop these requests (their clients get a final delta)."""
@@ -196,10 +241,10 @@ class EngineFrontend:
     async def _call(
         self, req: TokenizeRequest | DetokenizeRequest
     ) -> TokenizeResult | DetokenizeResult:
-        queue: asyncio.Queue = asyncio.Queue(maxsize=1)  # type: ignore[type-arg]
+        queue: asyncio.Queue = asyncio.Queue()  # type: ignore[type-arg]
         self._register(req.req_id, queue, 0)
         try:
-            await self._requests.send(req)
+            await self._send(req)
             _, item = await queue.get()
         finally:
             self._release(req.req_id)

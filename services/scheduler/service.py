@@ -14,6 +14,8 @@ import queue
 import threading
 import time
 
+import msgspec
+
 from services.config import ServeConfig
 from services.ipc import PubSocket, PullSocket, PushSocket, XPubSocket, report_ready
 from services.logging_utils import init_logger
@@ -72,7 +74,12 @@ class EngineCore:
         sock = PullSocket[EngineCoreInput](self._input_endpoint, EngineCoreInput, bind=True)
         self._bound.set()
         while True:
-            msg = sock.recv()
+            try:
+                msg = sock.recv()
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # Never let one bad frame end this thread: the process would live on, deaf.
+                logger.exception("dropping an undecodable message on the scheduler's input")
+                continue
             if msg is not None:
                 self._inputs.put(msg)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +49,20 @@ def serve_tokenizer(
     endpoints: TokenizerEndpoints,
     stop_event: threading.Event | None = None,
     tokenize_time: Any | None = None,
+    on_connected: Callable[[], None] | None = None,
 ) -> None:
     """Run the tokenizer loop until ``stop_event`` is set (forever without one).
 
-    ``tokenize_time`` (a histogram child) observes each generate request's processing time.
+    ``tokenize_time`` (a histogram child) observes each generate request's processing time;
+    ``on_connected`` runs once the sockets exist (the process reports READY there).
     """
     stop_event = stop_event or threading.Event()
     requests = PullSocket[TokenizerInput](endpoints.requests, TokenizerInput)
     engine = PushSocket[EngineCoreInput](endpoints.engine_core, EngineCoreInput)
     specs = PushSocket[RequestOutputSpec](endpoints.detokenizer_specs, RequestOutputSpec)
     api = PushSocket[ApiServerInput](endpoints.api_server, ApiServerInput)
+    if on_connected is not None:
+        on_connected()
     try:
         while not stop_event.is_set():
             msg = requests.recv(timeout_ms=_POLL_MS)
@@ -121,5 +126,9 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     )
     from services.metrics.process_metrics import tokenizer_time
 
-    report_ready(control_endpoint, "tokenizer")
-    serve_tokenizer(processor, endpoints, tokenize_time=tokenizer_time(config))
+    serve_tokenizer(
+        processor,
+        endpoints,
+        tokenize_time=tokenizer_time(config),
+        on_connected=lambda: report_ready(control_endpoint, "tokenizer"),
+    )

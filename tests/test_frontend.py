@@ -1,0 +1,172 @@
+"""The api_server's EngineFrontend under hostile timing, over real ipc:// sockets.
+
+Fake peers stand in for the tokenizer (a PULL the test drains, or nothing at all)
+and for the launcher/detokenizer (a PUSH into the frontend's output socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+import pytest
+import zmq
+
+from services.api_server.frontend import EngineFrontend, EngineRequestError, FrontendEndpoints
+from services.ipc import PullSocket, PushSocket, ipc_dir
+from services.protocol import (
+    Abort,
+    ApiServerInput,
+    EngineCoreInput,
+    EngineDead,
+    GenerateRequest,
+    SamplingParams,
+    TokenizeRequest,
+    TokenizeResult,
+    TokenizerInput,
+)
+from services.scheduler.service import EngineCore
+
+
+@pytest.fixture
+def endpoints():
+    with ipc_dir() as d:
+        yield FrontendEndpoints(d.endpoint("tok"), d.endpoint("out"), d.endpoint("core"))
+
+
+def _gen(req_id: str) -> GenerateRequest:
+    return GenerateRequest(req_id, SamplingParams(), prompt="x")
+
+
+async def _drain(front: EngineFrontend, reqs: list[GenerateRequest], **kw) -> list:
+    return [item async for item in front.generate(reqs, **kw)]
+
+
+def test_engine_dead_right_after_a_tokenize_result(endpoints):
+    """Both messages are in the socket before the tokenize call runs again: the receive
+    loop must route the death to every live request and keep running."""
+
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100)
+        await front.start()
+        tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
+        back = PushSocket[ApiServerInput](endpoints.outputs, ApiServerInput)
+        tokenize = asyncio.create_task(front.tokenize(TokenizeRequest("tok-1", prompt="hi")))
+        generate = asyncio.create_task(_drain(front, [_gen("gen-1")]))
+        deadline = time.monotonic() + 5
+        seen = 0
+        while seen < 2 and time.monotonic() < deadline:
+            seen += tokenizer.recv(timeout_ms=0) is not None
+            await asyncio.sleep(0.01)
+        assert seen == 2
+        back.send(TokenizeResult("tok-1", [1, 2], 100))
+        back.send(EngineDead("engine died"))
+        assert (await asyncio.wait_for(tokenize, 5)).token_ids == [1, 2]
+        with pytest.raises(EngineRequestError) as err:
+            await asyncio.wait_for(generate, 5)
+        assert err.value.status == 503
+        assert front._recv_task is not None and not front._recv_task.done()
+        assert front.num_running == 0
+        for sock in (tokenizer, back):
+            sock.close()
+        await front.close()
+
+    asyncio.run(main())
+
+
+def test_engine_dead_while_a_send_waits_for_a_tokenizer(endpoints):
+    """No tokenizer is connected, so the send is queued: the death still ends it with a 503,
+    and the queued request is never sent."""
+
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100)
+        await front.start()
+        back = PushSocket[ApiServerInput](endpoints.outputs, ApiServerInput)
+        generate = asyncio.create_task(_drain(front, [_gen("g-0"), _gen("g-1")]))
+        await asyncio.sleep(0.1)
+        assert not generate.done()
+        back.send(EngineDead("the tokenizer process died"))
+        with pytest.raises(EngineRequestError) as err:
+            await asyncio.wait_for(generate, 5)
+        assert err.value.status == 503
+        assert front.num_running == 0 and front.num_waiting == 0
+        tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
+        assert tokenizer.recv(timeout_ms=300) is None  # the cancelled send never went out
+        for sock in (tokenizer, back):
+            sock.close()
+        await front.close()
+
+    asyncio.run(main())
+
+
+def test_queue_cap_is_checked_and_counted_in_one_step(endpoints):
+    """Ten groups arriving together with max_waiting=2: exactly two are admitted."""
+
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100)
+        await front.start()
+        tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
+        tasks = [
+            asyncio.create_task(_drain(front, [_gen(f"r{i}")], max_waiting=2)) for i in range(10)
+        ]
+        await asyncio.sleep(0.2)
+        refused = [t for t in tasks if t.done()]
+        assert len(refused) == 8
+        for t in refused:
+            with pytest.raises(EngineRequestError) as err:
+                t.result()
+            assert err.value.status == 429
+        assert front.num_waiting == 2
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        tokenizer.close()
+        await front.close()
+
+    asyncio.run(main())
+
+
+def test_duplicate_id_in_a_group_leaves_the_other_request_alone(endpoints):
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100)
+        await front.start()
+        tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
+        core = PullSocket[EngineCoreInput](endpoints.engine_core, EngineCoreInput, bind=True)
+        first = asyncio.create_task(_drain(front, [_gen("a")]))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineRequestError) as err:
+            await _drain(front, [_gen("b"), _gen("a")])
+        assert err.value.status == 400
+        assert front.live_request_ids() == ["a"]  # "b" released; "a" still the first's
+        assert core.recv(timeout_ms=200) is None  # nothing was sent, so nothing to abort
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        assert core.recv(timeout_ms=2000) == Abort(["a"])
+        for sock in (tokenizer, core):
+            sock.close()
+        await front.close()
+
+    asyncio.run(main())
+
+
+def test_scheduler_input_thread_survives_a_bad_frame():
+    with ipc_dir() as d:
+        core = EngineCore.__new__(EngineCore)  # only the input thread's state
+        core._input_endpoint = d.endpoint("core")
+        core._bound = threading.Event()
+        core._inputs = queue.SimpleQueue()
+        thread = threading.Thread(target=core._input_loop, daemon=True)
+        thread.start()
+        assert core._bound.wait(5)
+        raw = zmq.Context.instance().socket(zmq.PUSH)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(core._input_endpoint)
+        raw.send(b"\x92\xa5Abort\x91\x01")  # an Abort whose ids are ints, not strings
+        with PushSocket[EngineCoreInput](core._input_endpoint, EngineCoreInput) as push:
+            push.send(Abort(["r1"]))
+            assert core._inputs.get(timeout=5) == Abort(["r1"])
+        assert thread.is_alive()
+        raw.close()
