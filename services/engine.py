@@ -81,6 +81,7 @@ class LLM:
         self.config.finalize(arch)
         self.arch = arch
         self.tokenizer = load_tokenizer(folder)
+        self._vocab_size = self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         self.runner = ModelRunner(self.config, folder)
         num_blocks = self.runner.determine_num_blocks()
         check_kv_capacity(
@@ -112,6 +113,8 @@ class LLM:
         sequences: dict[str, _Sequence] = {}
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             sp.validate()
+            if (bad := sp.out_of_vocab_token(self._vocab_size)) is not None:
+                raise ValueError(f"token id {bad[1]} in {bad[0]} is out of vocabulary")
             token_ids = self._encode(prompt)
             result = RequestOutput(
                 request_id=str(next(self._ids)),

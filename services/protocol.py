@@ -45,6 +45,8 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
 
     def validate(self) -> None:
         def bad(param: str, why: str) -> ValueError:
@@ -83,6 +85,21 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
             raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}.")
         if any(s == "" for s in self.stop):
             raise bad("stop", "must not contain empty strings.")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids", "must not be empty.")
+        if any(not math.isfinite(b) for b in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be finite numbers.")
+
+    def out_of_vocab_token(self, vocab_size: int) -> tuple[str, int] | None:
+        """The first token id (and its parameter) that names no token of the vocabulary."""
+        for param, ids in (
+            ("logit_bias", self.logit_bias),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+        ):
+            bad_id = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad_id is not None:
+                return param, bad_id
+        return None
 
     @property
     def greedy(self) -> bool:

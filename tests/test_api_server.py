@@ -262,6 +262,9 @@ def test_sampling_fields_reach_the_scheduler(server, http):
         "include_stop_str_in_output": True,
         "cache_salt": "salt",
         "priority": -3,
+        "logit_bias": {"5": 200, "6": -1.5},
+        "allowed_token_ids": [5, 6, 7],
+        "prompt_logprobs": 2,
         "unknown_field": "ignored",
     }
     r = http.post("/v1/completions", json=body)
@@ -280,6 +283,11 @@ def test_sampling_fields_reach_the_scheduler(server, http):
         True,
         3,
         1,
+    )
+    assert (s.logit_bias, s.allowed_token_ids, s.prompt_logprobs) == (
+        {5: 100.0, 6: -1.5},  # clamped to OpenAI's range
+        [5, 6, 7],
+        2,
     )
     assert (m.cache_salt, m.priority, m.eos_token_id) == (
         "salt",
@@ -427,6 +435,8 @@ def _chat(**kw):
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 BAD = [
     ("/v1/completions", b'{"model": "smollm2-test", "prompt": ', 400, None),
     ("/v1/completions", b'{"model": "smollm2-test", "prompt": "\xff\xfe"}', 400, None),
@@ -459,6 +469,25 @@ BAD = [
     ("/v1/chat/completions", _chat(stop=[""]), 400, "stop"),
     ("/v1/chat/completions", [1, 2], 400, None),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", _chat(logit_bias={"99999999": 5}), 400, "logit_bias"),
+    ("/v1/chat/completions", _chat(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("/v1/chat/completions", _chat(tools=[_TOOL]), 400, "tool_choice"),
+    ("/v1/chat/completions", _chat(tools=[_TOOL], tool_choice="required"), 400, "tool_choice"),
+    (
+        "/v1/chat/completions",
+        _chat(response_format={"type": "json_object"}),
+        400,
+        "response_format",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [-1]}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 21}, 400, None),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs",
+    ),
 ]
 
 
@@ -597,3 +626,13 @@ def _chat_body(request_id: str) -> dict:
         "max_tokens": 2,
         "request_id": request_id,
     }
+
+
+def test_tools_shown_only_and_text_format_are_accepted(http):
+    for body in (
+        _chat(tools=[_TOOL], tool_choice="none"),
+        _chat(response_format={"type": "text"}),
+    ):
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]

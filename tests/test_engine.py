@@ -136,3 +136,14 @@ def test_cli_errors_are_one_line(args, message):
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if not line.startswith("INFO")]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
+
+
+def test_allowed_token_ids_and_logit_bias_offline(roomy_engine, greedy_prompts):
+    allowed = [11, 220, 1536]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=allowed)
+    (out,) = roomy_engine.generate(greedy_prompts[1], params)
+    assert set(out.outputs[0].token_ids) <= set(allowed)
+    biased = SamplingParams(temperature=0, max_tokens=4, logit_bias={1536: 100.0})
+    assert roomy_engine.generate(greedy_prompts[1], biased)[0].outputs[0].token_ids == [1536] * 4
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        roomy_engine.generate("x", SamplingParams(logit_bias={10**7: 1.0}))

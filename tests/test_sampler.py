@@ -192,3 +192,44 @@ def test_logprobs_are_raw_and_ranked():
         assert math.isclose(float(out.sampled_logprobs[i]), float(raw[i, tok]), rel_tol=1e-6)
         assert int(out.sampled_ranks[i]) == 1 + sum(float(x) > float(raw[i, tok]) for x in raw[i])
     assert int(out.sampled_ranks[1]) == 1  # greedy takes the top token
+
+
+def test_logit_bias_and_allowed_token_ids_against_reference():
+    """Greedy and seeded rows, each against argmax / the race run by hand on the edited logits."""
+    logits = rand_logits(6, 4, seed=5)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 100.0}),  # forces token 3
+        SamplingParams(temperature=0.0, allowed_token_ids=[10, 20, 30]),
+        SamplingParams(temperature=0.0, logit_bias={9: 2.5, 11: -100.0}, allowed_token_ids=[9, 11]),
+        SamplingParams(temperature=0.0),  # untouched by the others' limits
+    ]
+    out = sample_steps(params, logits)
+    assert out[0] == [3] * 6
+    for t, lg in enumerate(logits):
+        allowed = torch.full((VOCAB,), float("-inf"))
+        allowed[[10, 20, 30]] = lg[1, [10, 20, 30]]
+        assert out[1][t] == int(allowed.argmax())
+        pair = lg[2, [9, 11]] + torch.tensor([2.5, -100.0])
+        assert out[2][t] == [9, 11][int(pair.argmax())]
+        assert out[3][t] == int(lg[3].argmax())
+
+    # A random row samples only allowed tokens.
+    sampled = sample_steps([SamplingParams(temperature=1.5, allowed_token_ids=[1, 2])],
+                           [lg[:1] for lg in rand_logits(50, 1, seed=6)])[0]  # fmt: skip
+    assert set(sampled) <= {1, 2} and len(set(sampled)) == 2
+
+
+def test_token_limit_validation():
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[]).validate()
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: float("nan")}).validate()
+    assert SamplingParams(logit_bias={VOCAB: 1.0}).out_of_vocab_token(VOCAB) == (
+        "logit_bias",
+        VOCAB,
+    )
+    assert SamplingParams(allowed_token_ids=[0, -1]).out_of_vocab_token(VOCAB) == (
+        "allowed_token_ids",
+        -1,
+    )
+    assert SamplingParams(logit_bias={1: 1.0}).out_of_vocab_token(VOCAB) is None

@@ -262,6 +262,21 @@ def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, llm: LLM) -> None
     assert err.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
 
 
+def test_logit_bias_and_allowed_token_ids(server: RemoteServer, client: openai.OpenAI) -> None:
+    (token_id,) = httpx.post(f"{server.url}/tokenize", json={"prompt": " banana"}).json()["tokens"]
+    forced = httpx.post(f"{server.url}/detokenize", json={"tokens": [token_id] * 3}).json()
+    for extra in ({"logit_bias": {str(token_id): 100}}, {"allowed_token_ids": [token_id]}):
+        resp = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=PROMPTS[0],
+            max_tokens=3,
+            temperature=0.8,
+            seed=5,
+            extra_body=extra,
+        )
+        assert resp.choices[0].text == forced["prompt"], extra
+
+
 # ---------------------------------------------------------------- concurrency
 
 

@@ -221,7 +221,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 sub,
                 messages=messages,
                 chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs or {},
+                chat_template_kwargs=req.template_kwargs(),
                 add_generation_prompt=req.add_generation_prompt,
                 add_special_tokens=req.add_special_tokens,
                 arrival_time=now,

@@ -58,6 +58,8 @@ class _SamplingFields(OpenAIBaseModel):
     priority: int = 0
     prompt_logprobs: int | None = None
     request_id: str | None = None  # the response id's suffix; an X-Request-Id header wins
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    allowed_token_ids: list[int] | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -80,9 +82,26 @@ class _SamplingFields(OpenAIBaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        """Token ids as ints, biases clamped to [-100, 100] (OpenAI's range, as vLLM does)."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ParamError(
+                    "logit_bias",
+                    f"Found token_id `{key}` in logit_bias but token_id must be an integer "
+                    "or string representing an integer",
+                ) from None
+            bias[token_id] = min(100.0, max(-100.0, value))
+        return bias
 
     def check(self) -> None:
         """Cross-field checks pydantic cannot express."""
@@ -172,6 +191,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # the template already adds BOS
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -181,6 +203,29 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParamError(
                 "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
             )
+        # No tool-call parser and no structured-output backend: say so rather than ignore them.
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if self.tools and choice == "auto":
+            raise ParamError(
+                "tool_choice",
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                'to be set; this server has no tool-call parser (use tool_choice "none" to '
+                "only show the tools to the model)",
+            )
+        if self.tools and choice != "none":
+            raise ParamError("tool_choice", f"tool_choice {choice!r} is not supported.")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ParamError(
+                "response_format", f"response_format type {kind!r} is not supported (only 'text')."
+            )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra chat-template variables: the request's own, and ``tools`` when given."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = self.tools
+        return kwargs
 
     @property
     def num_logprobs(self) -> int | None:

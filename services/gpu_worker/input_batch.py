@@ -170,7 +170,38 @@ class InputBatch:
             md.min_tokens_mask = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
+        self._token_limits(md, params, vocab_size)
         return md
+
+    def _token_limits(
+        self, md: SamplingMetadata, params: list[SamplingParams], vocab_size: int
+    ) -> None:
+        """logit_bias and allowed_token_ids, for the rows that set them (ids past the model's
+        vocabulary cannot be sampled and are left out)."""
+        rows: list[int] = []
+        token_ids: list[int] = []
+        biases: list[float] = []
+        for i, p in enumerate(params):
+            for token_id, bias in p.logit_bias.items():
+                if 0 <= token_id < vocab_size:
+                    rows.append(i)
+                    token_ids.append(token_id)
+                    biases.append(bias)
+        dev = self.device
+        if rows:
+            md.logit_bias = (
+                torch.tensor(rows, device=dev),
+                torch.tensor(token_ids, device=dev),
+                torch.tensor(biases, dtype=torch.float32, device=dev),
+            )
+        if any(p.allowed_token_ids is not None for p in params):
+            mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=dev)
+            for i, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    mask[i] = True
+                    allowed = [t for t in p.allowed_token_ids if 0 <= t < vocab_size]
+                    mask[i, torch.tensor(allowed, dtype=torch.int64, device=dev)] = False
+            md.disallowed_mask = mask
 
     def _penalty_tokens(
         self, states: list[CachedRequestState], vocab_size: int

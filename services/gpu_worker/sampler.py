@@ -1,7 +1,7 @@
 """Token sampling, vectorised over the batch, with vLLM v1's semantics.
 
-Order: raw logprobs (if asked) -> penalties -> min_tokens stop masking -> greedy
-argmax | temperature -> min-p -> top-k/top-p -> sample. Sampling uses the
+Order: raw logprobs (if asked) -> allowed_token_ids -> logit_bias -> penalties ->
+min_tokens stop masking -> greedy argmax | temperature -> min-p -> top-k/top-p -> sample. Sampling uses the
 exponential race ``argmax(probs / q)``, q ~ Exp(1): a seeded request draws q from
 its own generator, so its tokens do not depend on what else is in the batch.
 """
@@ -46,6 +46,10 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # largest top-N asked; None = no row wants logprobs
+    # (row indices, token ids, biases) added to the logits; None = no row has a logit_bias
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [N, vocab] True where a token may NOT be sampled (allowed_token_ids); None = no limits
+    disallowed_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,6 +122,11 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
+        if md.disallowed_mask is not None:
+            logits = logits.masked_fill(md.disallowed_mask, _NEG_INF)
+        if md.logit_bias is not None:
+            rows, token_ids, biases = md.logit_bias
+            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         if md.min_tokens_mask is not None:

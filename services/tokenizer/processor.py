@@ -120,6 +120,13 @@ class RequestProcessor:
         try:
             ids, text = self.prompt_ids(req)
             max_tokens = self.check_length(len(ids), req.sampling.max_tokens)
+            if (bad := req.sampling.out_of_vocab_token(self._vocab_size)) is not None:
+                param, token_id = bad
+                raise PromptError(
+                    f"token id {token_id} in {param} is out of vocabulary "
+                    f"(vocabulary size: {self._vocab_size})",
+                    param,
+                )
         except PromptError as e:
             return RequestError(req.req_id, 400, str(e), param=e.param)
         sampling = msgspec.structs.replace(req.sampling, max_tokens=max_tokens)
