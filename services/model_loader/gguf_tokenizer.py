@@ -1,10 +1,11 @@
 """A ``tokenizers`` tokenizer rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata.
 
 A GGUF carries the vocabulary, the merges, a token type per token and a pre-tokenizer name
-(``tokenizer.ggml.pre``), but no ``tokenizer.json``. We rebuild the byte-level BPE that the
-original model shipped: the merges and vocabulary as stored, CONTROL tokens as special added
-tokens, USER_DEFINED ones as plain added tokens, and the split regex llama.cpp uses for that
-pre-tokenizer name.
+(``tokenizer.ggml.pre``), but no ``tokenizer.json``. For ``tokenizer.ggml.model == "gpt2"`` we
+rebuild the byte-level BPE that the original model shipped: the merges and vocabulary as stored,
+CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens, and the split
+regex llama.cpp uses for that pre-tokenizer name. ``"llama"`` (SentencePiece) vocabularies are
+rebuilt in ``gguf_spm``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from services.model_loader.errors import ModelLoadError
+from services.model_loader.gguf_spm import build_spm_tokenizer
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -81,12 +83,29 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
+def _add_special(meta: dict[str, Any]) -> tuple[bool, bool]:
+    """``(add_bos, add_eos)``; llama.cpp adds BOS to a SentencePiece vocabulary by default."""
+    default_bos = meta.get("tokenizer.ggml.model") == "llama"
+    return (
+        bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)),
+        bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    )
+
+
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """The byte-level BPE tokenizer that ``tokenizer.ggml.*`` metadata describes."""
+    """The tokenizer that ``tokenizer.ggml.*`` metadata describes (byte-level BPE or SentencePiece).
+
+    A SentencePiece tokenizer adds BOS/EOS itself (post-processor) as its ``tokenizer.json``
+    would; a byte-level one leaves that to ``add_bos_token`` in ``tokenizer_config.json``.
+    """
     model = meta.get("tokenizer.ggml.model")
+    if model == "llama":
+        add_bos, add_eos = _add_special(meta)
+        return build_spm_tokenizer(meta, add_bos=add_bos, add_eos=add_eos)
     if model != "gpt2":
         raise ModelLoadError(
-            f"GGUF tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level BPE)"
+            f"GGUF tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (SentencePiece)"
         )
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     merges: list[str] = meta.get("tokenizer.ggml.merges") or []
@@ -136,14 +155,15 @@ def build_tokenizer_files(meta: dict[str, Any], model_max_length: int) -> dict[s
         idx = meta.get(f"tokenizer.ggml.{key}")
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
+    add_bos, add_eos = _add_special(meta)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
         "unk_token": token("unknown_token_id"),
         "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "model_max_length": model_max_length,
         "chat_template": meta.get("tokenizer.chat_template"),
     }
