@@ -36,7 +36,9 @@ class IncrementalDetokenizer:
       ignored. Stop strings are checked only after ``min_tokens`` outputs.
     - ``flush()`` at finish returns what was held back, including the
       replacement character for a trailing incomplete byte sequence, so the
-      concatenated deltas equal ``tokenizer.decode(output_ids)``.
+      concatenated deltas equal ``tokenizer.decode(output_ids)``. One exception,
+      as in vLLM: with prompt context, a SentencePiece output keeps the leading
+      space of its first token, which decoding the outputs alone would strip.
     - ``update(ids, stop_terminated=True)`` marks the last id as the stop token
       (EOS or a stop_token_id) that finished the request: it is not rendered
       unless ``include_stop_str_in_output``, as in vLLM.
