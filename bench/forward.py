@@ -83,6 +83,11 @@ def make_step(runner: ModelRunner, q_lens: np.ndarray, ctx: np.ndarray) -> Calla
         start += n
     if start > runner.num_blocks:
         runner.initialize_kv_cache(start)
+    # Write the context's K/V: on CPU a fresh cache is untouched pages, which read as the
+    # shared zero page and would make attention look almost free.
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache[:start].uniform_(-1, 1)
+        v_cache[:start].uniform_(-1, 1)
     meta, _, positions = build_attention_metadata(ctx, q_lens, table, bs, device)
     ids = torch.randint(0, runner.arch.vocab_size, (int(q_lens.sum()),), device=device)
     pos = torch.from_numpy(positions).to(device)
