@@ -289,7 +289,15 @@ class DetokenizeRequest(msgspec.Struct, **_TAGGED):
     token_ids: list[int]
 
 
-TokenizerInput = GenerateRequest | TokenizeRequest | DetokenizeRequest
+class GenerateBatch(msgspec.Struct, **_TAGGED):
+    """The engine requests of one HTTP request (its prompts × n), checked together by one
+    tokenizer: all go on to the scheduler, or none does and the api_server gets the error
+    (so a streamed answer never starts with one prompt accepted and another refused)."""
+
+    requests: list[GenerateRequest]
+
+
+TokenizerInput = GenerateRequest | GenerateBatch | TokenizeRequest | DetokenizeRequest
 
 
 class TokenizedRequest(msgspec.Struct, **_TAGGED):

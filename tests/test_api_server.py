@@ -636,3 +636,16 @@ def test_tools_shown_only_and_text_format_are_accepted(http):
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_group_is_accepted_or_refused_whole(server, http):
+    """Streaming two prompts, the second too long: always a 400 (the answer waits for the
+    first delta, and no prompt of a refused group reaches the scheduler)."""
+    sched = server[1]
+    seen = len(sched.received)
+    body = {"model": MODEL, "prompt": ["x", "word " * 4000], "max_tokens": 5, "stream": True}
+    for _ in range(8):
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert "maximum context length" in r.json()["error"]["message"]
+    assert not [m for m in sched.received[seen:] if isinstance(m, TokenizedRequest)]

@@ -23,6 +23,7 @@ from services.protocol import (
     DetokenizeResult,
     EngineCoreInput,
     EngineDead,
+    GenerateBatch,
     GenerateRequest,
     RequestError,
     TextDelta,
@@ -197,9 +198,8 @@ class EngineFrontend:
             for i, req in enumerate(reqs):
                 self._register(req.req_id, queue, i)
                 registered.append(req.req_id)
-            for req in reqs:
-                await self._send(req)
-                sent.append(req.req_id)
+            await self._send(GenerateBatch(reqs))  # one tokenizer checks the group as a whole
+            sent = registered
             while len(finished) < len(reqs):
                 index, item = await queue.get()
                 if isinstance(item, RequestError):

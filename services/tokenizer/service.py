@@ -1,9 +1,11 @@
 """The tokenizer process: api_server requests in, token ids out to the scheduler.
 
 Several tokenizer processes may connect to the api_server's request endpoint;
-ZeroMQ hands each request to one of them (round robin). A rejected request's
-error goes straight back to the api_server; an accepted one first registers
-its output spec with the detokenizer, then goes to the scheduler.
+ZeroMQ hands each message to one of them (round robin). A ``GenerateBatch`` (the
+engine requests of one HTTP request) is checked as a whole: if any is rejected,
+the first error goes straight back to the api_server and none is sent on;
+otherwise each first registers its output spec with the detokenizer, then goes
+to the scheduler.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from services.protocol import (
     ApiServerInput,
     DetokenizeRequest,
     EngineCoreInput,
+    GenerateBatch,
     GenerateRequest,
     RequestError,
     RequestOutputSpec,
@@ -69,14 +72,20 @@ def serve_tokenizer(
             if msg is None:
                 continue
             try:
-                if isinstance(msg, GenerateRequest):
-                    start = time.perf_counter()
-                    out = processor.process(msg)
-                    if tokenize_time is not None:
-                        tokenize_time.observe(time.perf_counter() - start)
-                    if isinstance(out, RequestError):
-                        api.send(out)
-                    else:
+                if isinstance(msg, GenerateRequest | GenerateBatch):
+                    batch = msg.requests if isinstance(msg, GenerateBatch) else [msg]
+                    outs = []
+                    for req in batch:
+                        start = time.perf_counter()
+                        outs.append(processor.process(req))
+                        if tokenize_time is not None:
+                            tokenize_time.observe(time.perf_counter() - start)
+                    error = next((o for o in outs if isinstance(o, RequestError)), None)
+                    if error is not None:
+                        api.send(error)  # the whole group fails with its first error
+                        continue
+                    for out in outs:
+                        assert not isinstance(out, RequestError)
                         # The spec goes first so the detokenizer usually knows the
                         # request before its first tokens (it buffers them otherwise).
                         specs.send(out[1])
@@ -86,10 +95,9 @@ def serve_tokenizer(
                 elif isinstance(msg, DetokenizeRequest):
                     api.send(processor.detokenize(msg))
             except Exception as e:  # one bad request must not take the process down
-                logger.exception("tokenizer failed on request %s", msg.req_id)
-                api.send(
-                    RequestError(msg.req_id, 500, f"tokenizer error: {e}", "InternalServerError")
-                )
+                req_id = msg.requests[0].req_id if isinstance(msg, GenerateBatch) else msg.req_id
+                logger.exception("tokenizer failed on request %s", req_id)
+                api.send(RequestError(req_id, 500, f"tokenizer error: {e}", "InternalServerError"))
     finally:
         for sock in (requests, engine, specs, api):
             sock.close()
