@@ -472,8 +472,12 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", _chat(logit_bias={"99999999": 5}), 400, "logit_bias"),
     ("/v1/chat/completions", _chat(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("/v1/chat/completions", _chat(logit_bias={str(10**22): 5}), 400, "logit_bias"),
+    ("/v1/chat/completions", _chat(allowed_token_ids=[10**22]), 400, "allowed_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**22]}, 400, "prompt"),
     ("/v1/chat/completions", _chat(tools=[_TOOL]), 400, "tool_choice"),
     ("/v1/chat/completions", _chat(tools=[_TOOL], tool_choice="required"), 400, "tool_choice"),
+    ("/v1/chat/completions", _chat(tool_choice="auto"), 400, "tool_choice"),
     (
         "/v1/chat/completions",
         _chat(response_format={"type": "json_object"}),

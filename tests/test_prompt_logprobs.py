@@ -138,6 +138,9 @@ def test_request_keeps_one_copy_of_each_position_and_sends_once():
     assert Scheduler._output(request, [8], None).prompt_logprobs == []
     request.add_prompt_logprobs(PromptLogprobs("r", 1, [_lp(11)]))  # recomputed after sending
     assert request.prompt_logprobs == []
+    # ... which a resumed request does not ask the worker for again.
+    assert request.worker_sampling_params.prompt_logprobs is None
+    assert request.sampling_params.prompt_logprobs == 0
     assert not Request("p", [1, 2], SamplingParams()).skip_reading_prefix_cache
 
 

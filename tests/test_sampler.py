@@ -218,6 +218,12 @@ def test_logit_bias_and_allowed_token_ids_against_reference():
                            [lg[:1] for lg in rand_logits(50, 1, seed=6)])[0]  # fmt: skip
     assert set(sampled) <= {1, 2} and len(set(sampled)) == 2
 
+    # Allowed ids all past the logits (a tokenizer larger than the model): not NaN, unlimited.
+    lg = rand_logits(1, 1, seed=7)
+    assert sample_steps([SamplingParams(temperature=0.0, allowed_token_ids=[VOCAB + 3])], lg) == [
+        [int(lg[0][0].argmax())]
+    ]
+
 
 def test_token_limit_validation():
     with pytest.raises(ValueError, match="allowed_token_ids"):

@@ -9,6 +9,7 @@ processes, sockets, tokenizer service, detokenizer service or HTTP layer.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -185,7 +186,9 @@ def test_logprobs_equal_offline(client: openai.OpenAI, llm: LLM) -> None:
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0.0 for t in content)
 
 
-def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, llm: LLM) -> None:
+def test_echo_logprobs_score_the_prompt(
+    server: RemoteServer, client: openai.OpenAI, llm: LLM
+) -> None:
     """lm-evaluation-harness's loglikelihood request: echo + logprobs, one token or none."""
     prompt = PROMPTS[0]
     (expected,) = llm.generate(prompt, greedy(1, logprobs=1, prompt_logprobs=1))
@@ -222,6 +225,26 @@ def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, llm: LLM) -> None
                 expected.outputs[0].logprobs[0].logprob,  # type: ignore[index]
                 abs=1e-3,
             )
+
+    # Streamed, the offsets run on across chunks by token length (vLLM's rule), even where a
+    # token renders as part of a character.
+    def offsets(stream: bool, **extra: object) -> tuple[list[int], list[int]]:
+        body = {"prompt": "Hi 你好", "max_tokens": 3, "temperature": 0, "echo": True}
+        body |= {"logprobs": 1, "stream": stream, **extra}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        if not stream:
+            lp = r.json()["choices"][0]["logprobs"]
+            return lp["text_offset"], [len(t or {}) for t in lp["top_logprobs"]]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+        lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+        tops = [len(t or {}) for lp in lps for t in lp["top_logprobs"]]
+        return [o for lp in lps for o in lp["text_offset"]], tops
+
+    streamed, _ = offsets(True)
+    assert len(streamed) > 4 and streamed == offsets(False)[0] == sorted(streamed)
+    # Each echoed prompt token shows the top `logprobs`, however many prompt_logprobs asked.
+    assert max(offsets(False, prompt_logprobs=3)[1]) <= 2
 
     # prompt_logprobs (vLLM's extra): per prompt token, a map of token id -> logprob/rank/text.
     resp = client.completions.create(

@@ -170,6 +170,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             len(prompts),
             echo=req.echo,
             echo_only=req.echo_only,
+            num_logprobs=req.logprobs,
         )
         now = time.time()
 

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.protocol import SamplingParams
 
 MAX_N = 128  # OpenAI's own cap on choices per request
+_INT64 = 2**63  # token ids travel as int64: larger ones are refused here, with a 400
+TokenId = Annotated[int, Field(ge=0, lt=_INT64)]
 
 
 class ParamError(ValueError):
@@ -49,7 +51,7 @@ class _SamplingFields(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=-_INT64, lt=_INT64)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -59,7 +61,7 @@ class _SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     request_id: str | None = None  # the response id's suffix; an X-Request-Id header wins
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -94,6 +96,8 @@ class _SamplingFields(OpenAIBaseModel):
         for key, value in (self.logit_bias or {}).items():
             try:
                 token_id = int(key)
+                if not 0 <= token_id < _INT64:
+                    raise ValueError
             except ValueError:
                 raise ParamError(
                     "logit_bias",
@@ -121,7 +125,7 @@ class _SamplingFields(OpenAIBaseModel):
             )
 
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+TokenIds = list[TokenId]
 
 
 class CompletionRequest(_SamplingFields):
@@ -204,6 +208,8 @@ class ChatCompletionRequest(_SamplingFields):
                 "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
             )
         # No tool-call parser and no structured-output backend: say so rather than ignore them.
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
         choice = self.tool_choice if self.tool_choice is not None else "auto"
         if self.tools and choice == "auto":
             raise ParamError(

@@ -48,6 +48,7 @@ class ResponseContext:
     num_prompts: int = 1
     echo: bool = False
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, its token dropped
+    num_logprobs: int | None = None  # completions' ``logprobs``: top-N per echoed prompt token
 
     @property
     def num_choices(self) -> int:
@@ -57,31 +58,26 @@ class ResponseContext:
 @dataclass
 class ChoiceState:
     text: list[str] = field(default_factory=list)
-    num_chars: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[DecodedLogprob] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
-    prompt_chars: int = 0  # echoed prompt text at the start of the choice's text
     prompt_logprobs: DecodedPromptLogprobs | None = None
+    # text_offset of the next logprobs entry: vLLM counts token lengths from the first entry
+    # on, across chunks (held-back stop-string text and partial characters lag the tokens).
+    next_offset: int = 0
 
-    def update(self, delta: TextDelta, text: str) -> int:
-        """Record a delta (``text`` may start with the echoed prompt); return where its
-        generated text starts in the choice's text."""
-        offset = self.num_chars + len(text) - len(delta.text)
-        if not self.num_chars:
-            self.prompt_chars = len(text) - len(delta.text)
+    def update(self, delta: TextDelta, text: str) -> None:
+        """Record a delta (``text`` may start with the echoed prompt)."""
         self.text.append(text)
-        self.num_chars += len(text)
         self.logprobs += delta.logprobs
         self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
-        return offset
 
 
 def usage(ctx: ResponseContext, states: list[ChoiceState]) -> dict[str, Any]:
@@ -105,10 +101,13 @@ def _check_error(delta: TextDelta) -> None:
 
 
 def completion_logprobs(
-    lps: list[DecodedLogprob], offset: int, prompt: DecodedPromptLogprobs | None = None
+    lps: list[DecodedLogprob],
+    offset: int,
+    prompt: DecodedPromptLogprobs | None = None,
+    num_prompt_top: int = 0,
 ) -> dict[str, Any]:
     """The completions ``logprobs`` object; with ``prompt`` (echo), the prompt's tokens come
-    first, the first of them with null logprobs, and offsets count from the prompt's start."""
+    first, the first of them with null logprobs, each with its top ``num_prompt_top``."""
     out: dict[str, list[Any]] = {
         "text_offset": [],
         "token_logprobs": [],
@@ -124,13 +123,18 @@ def completion_logprobs(
         out["top_logprobs"].append(top)
         offset += len(token)
 
+    def add_lp(lp: DecodedLogprob, num_top: int | None) -> None:
+        alternatives = zip(lp.top_tokens[:num_top], lp.top_logprobs[:num_top], strict=True)
+        top = {lp.token: _lp(lp.logprob)}
+        top.update({t: _lp(x) for t, x in alternatives})
+        add(lp.token, _lp(lp.logprob), top)
+
     if prompt is not None:
         add(prompt.first_token, None, None)
-        lps = [*prompt.items, *lps]
+        for lp in prompt.items:
+            add_lp(lp, num_prompt_top)
     for lp in lps:
-        top = {lp.token: _lp(lp.logprob)}
-        top.update({t: _lp(x) for t, x in zip(lp.top_tokens, lp.top_logprobs, strict=False)})
-        add(lp.token, _lp(lp.logprob), top)
+        add_lp(lp, None)
     return out
 
 
@@ -162,14 +166,19 @@ def _completion_text(ctx: ResponseContext, delta: TextDelta) -> str:
 
 def _completion_lps(
     ctx: ResponseContext,
+    state: ChoiceState,
     lps: list[DecodedLogprob],
-    offset: int,
     prompt: DecodedPromptLogprobs | None,
 ) -> dict[str, Any]:
     """Logprobs of a choice (or of one chunk of it): echoed prompt tokens first, then outputs."""
-    if not ctx.echo or prompt is None:
-        return completion_logprobs(lps, offset)
-    return completion_logprobs([] if ctx.echo_only else lps, 0, prompt)
+    if ctx.echo and prompt is not None:
+        outputs = [] if ctx.echo_only else lps
+        out = completion_logprobs(outputs, state.next_offset, prompt, ctx.num_logprobs or 0)
+    else:
+        out = completion_logprobs(lps, state.next_offset)
+    if out["tokens"]:
+        state.next_offset = out["text_offset"][-1] + len(out["tokens"][-1])
+    return out
 
 
 async def completion_stream(
@@ -180,10 +189,10 @@ async def completion_stream(
         async for index, delta in deltas:
             _check_error(delta)
             text = _completion_text(ctx, delta)
-            offset = states[index].update(delta, text)
+            states[index].update(delta, text)
             lps = None
             if want_logprobs:
-                lps = _completion_lps(ctx, delta.logprobs, offset, delta.prompt_logprobs)
+                lps = _completion_lps(ctx, states[index], delta.logprobs, delta.prompt_logprobs)
             choice = {
                 "index": index,
                 "text": text,
@@ -211,7 +220,7 @@ async def completion_full(
         text = "".join(s.text)
         lps = None
         if want_logprobs:
-            lps = _completion_lps(ctx, s.logprobs, s.prompt_chars, s.prompt_logprobs)
+            lps = _completion_lps(ctx, s, s.logprobs, s.prompt_logprobs)
         choices.append(
             {
                 "index": i,

@@ -29,6 +29,7 @@ class CachedRequestState:
     sampling: SamplingParams
     eos_token_id: int | None
     generator: torch.Generator | None
+    allowed_ids: torch.Tensor | None = None  # allowed_token_ids inside the vocab, built once
 
 
 class InputBatch:
@@ -170,23 +171,32 @@ class InputBatch:
             md.min_tokens_mask = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
-        self._token_limits(md, params, vocab_size)
+        self._token_limits(md, states, vocab_size)
         return md
 
     def _token_limits(
-        self, md: SamplingMetadata, params: list[SamplingParams], vocab_size: int
+        self, md: SamplingMetadata, states: list[CachedRequestState], vocab_size: int
     ) -> None:
-        """logit_bias and allowed_token_ids, for the rows that set them (ids past the model's
-        vocabulary cannot be sampled and are left out)."""
+        """logit_bias and allowed_token_ids, for the rows that set them. Ids past the model's
+        logits cannot be sampled and are left out; a row left with no allowed id at all is
+        not restricted (masking all of it would sample from NaN)."""
         rows: list[int] = []
         token_ids: list[int] = []
         biases: list[float] = []
-        for i, p in enumerate(params):
+        limited: list[tuple[int, torch.Tensor]] = []
+        for i, s in enumerate(states):
+            p = s.sampling
             for token_id, bias in p.logit_bias.items():
                 if 0 <= token_id < vocab_size:
                     rows.append(i)
                     token_ids.append(token_id)
                     biases.append(bias)
+            if p.allowed_token_ids is not None:
+                if s.allowed_ids is None:
+                    in_vocab = [t for t in p.allowed_token_ids if 0 <= t < vocab_size]
+                    s.allowed_ids = torch.tensor(in_vocab, dtype=torch.int64, device=self.device)
+                if len(s.allowed_ids):
+                    limited.append((i, s.allowed_ids))
         dev = self.device
         if rows:
             md.logit_bias = (
@@ -194,13 +204,11 @@ class InputBatch:
                 torch.tensor(token_ids, device=dev),
                 torch.tensor(biases, dtype=torch.float32, device=dev),
             )
-        if any(p.allowed_token_ids is not None for p in params):
-            mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=dev)
-            for i, p in enumerate(params):
-                if p.allowed_token_ids is not None:
-                    mask[i] = True
-                    allowed = [t for t in p.allowed_token_ids if 0 <= t < vocab_size]
-                    mask[i, torch.tensor(allowed, dtype=torch.int64, device=dev)] = False
+        if limited:
+            mask = torch.zeros(len(states), vocab_size, dtype=torch.bool, device=dev)
+            for i, allowed in limited:
+                mask[i] = True
+                mask[i, allowed] = False
             md.disallowed_mask = mask
 
     def _penalty_tokens(

@@ -6,6 +6,8 @@ import enum
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from services.protocol import PromptLogprobs, SamplingParams, TokenizedRequest, TokenLogprobs
 from services.scheduler.block_hash import BlockHash
 
@@ -132,6 +134,14 @@ class Request:
     def prompt_logprobs_pending(self) -> bool:
         """Asked for prompt logprobs and not sent them yet."""
         return self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def worker_sampling_params(self) -> SamplingParams:
+        """What the worker needs: no prompt logprobs once they went out (a request resumed
+        after preemption recomputes its prompt; scoring it again would be wasted)."""
+        if self.prompt_logprobs_sent and self.sampling_params.prompt_logprobs is not None:
+            return msgspec.structs.replace(self.sampling_params, prompt_logprobs=None)
+        return self.sampling_params
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

@@ -234,7 +234,7 @@ class Scheduler:
                     req_id=r.req_id,
                     token_ids=list(r.all_token_ids),
                     num_prompt_tokens=r.num_prompt_tokens,
-                    sampling=r.sampling_params,
+                    sampling=r.worker_sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(r.req_id),
                     num_computed_tokens=r.num_computed_tokens,
                     eos_token_id=r.eos_token_id,
