@@ -108,8 +108,10 @@ def test_queue_cap_is_checked_and_counted_in_one_step(endpoints):
         front = EngineFrontend(endpoints, max_model_len=100)
         await front.start()
         tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
+        sent: list[int] = []
         tasks = [
-            asyncio.create_task(_drain(front, [_gen(f"r{i}")], max_waiting=2)) for i in range(10)
+            asyncio.create_task(_drain(front, [_gen(f"r{i}")], max_waiting=2, on_sent=sent.append))
+            for i in range(10)
         ]
         await asyncio.sleep(0.2)
         refused = [t for t in tasks if t.done()]
@@ -119,6 +121,7 @@ def test_queue_cap_is_checked_and_counted_in_one_step(endpoints):
                 t.result()
             assert err.value.status == 429
         assert front.num_waiting == 2
+        assert sent == [1, 1]  # only the admitted groups count as sent
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

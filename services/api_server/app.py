@@ -133,7 +133,6 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 seed = None if sampling.seed is None else sampling.seed + i
                 sub = msgspec.structs.replace(sampling, n=1, seed=seed)
                 reqs.append(make(f"{base_id}-{p * ctx.n + i}", sub, p))
-        requests_sent.inc(len(reqs))
         return reqs
 
     async def respond(
@@ -194,7 +193,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             request,
             req.stream,
             frontend.generate(
-                fan_out(ctx, base_id, sampling, make), max_waiting=settings.max_num_queued_reqs
+                fan_out(ctx, base_id, sampling, make),
+                max_waiting=settings.max_num_queued_reqs,
+                on_sent=requests_sent.inc,
             ),
             lambda d: serving.completion_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
             lambda d: serving.completion_full(ctx, d, want_logprobs=want_lp),
@@ -236,7 +237,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             request,
             req.stream,
             frontend.generate(
-                fan_out(ctx, base_id, sampling, make), max_waiting=settings.max_num_queued_reqs
+                fan_out(ctx, base_id, sampling, make),
+                max_waiting=settings.max_num_queued_reqs,
+                on_sent=requests_sent.inc,
             ),
             lambda d: serving.chat_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
             lambda d: serving.chat_full(ctx, d, want_logprobs=want_lp),

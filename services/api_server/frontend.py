@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -180,10 +180,15 @@ class EngineFrontend:
             self._num_waiting -= 1
 
     async def generate(
-        self, reqs: list[GenerateRequest], *, max_waiting: int | None = None
+        self,
+        reqs: list[GenerateRequest],
+        *,
+        max_waiting: int | None = None,
+        on_sent: Callable[[int], object] | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """Send a request group and stream its deltas; a 429 if ``max_waiting`` requests or
-        more already wait for their first output (checked and counted in one step)."""
+        more already wait for their first output (checked and counted in one step).
+        ``on_sent(len(reqs))`` runs once the group is on its way to a tokenizer."""
         queue: asyncio.Queue = asyncio.Queue()  # type: ignore[type-arg]
         if max_waiting is not None and self._num_waiting >= max_waiting:
             raise EngineRequestError(
@@ -200,6 +205,8 @@ class EngineFrontend:
                 registered.append(req.req_id)
             await self._send(GenerateBatch(reqs))  # one tokenizer checks the group as a whole
             sent = registered
+            if on_sent is not None:
+                on_sent(len(reqs))
             while len(finished) < len(reqs):
                 index, item = await queue.get()
                 if isinstance(item, RequestError):
