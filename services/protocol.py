@@ -268,6 +268,7 @@ class GenerateRequest(msgspec.Struct, **_TAGGED):
     priority: int = 0
     cache_salt: str | None = None
     echo: bool = False
+    return_token_ids: bool = False  # the prompt's token ids come back with the first delta
 
 
 class TokenizeRequest(msgspec.Struct, **_TAGGED):
@@ -343,6 +344,7 @@ class RequestOutputSpec(msgspec.Struct, **_STRUCT):
     prompt_tail_ids: list[int] = []
     prompt_text: str | None = None
     first_prompt_token_id: int | None = None
+    prompt_token_ids: list[int] | None = None  # only when the client asked for token ids
 
 
 class DecodedLogprob(msgspec.Struct, **_STRUCT):
@@ -384,6 +386,7 @@ class TextDelta(msgspec.Struct, **_STRUCT):
     num_output_tokens: int = 0
     prompt_text: str | None = None
     prompt_logprobs: DecodedPromptLogprobs | None = None  # on the first delta with tokens
+    prompt_token_ids: list[int] | None = None  # on the first delta, with return_token_ids
 
 
 class TextDeltaBatch(msgspec.Struct, **_TAGGED):

@@ -300,6 +300,32 @@ def test_logit_bias_and_allowed_token_ids(server: RemoteServer, client: openai.O
         assert resp.choices[0].text == forced["prompt"], extra
 
 
+def test_return_token_ids(server: RemoteServer, llm: LLM) -> None:
+    """vLLM's return_token_ids: the prompt's and the output's token ids beside the text."""
+    (expected,) = llm.generate(PROMPTS[1], greedy())
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body["return_token_ids"] = True
+    full = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert full["prompt_token_ids"] == expected.prompt_token_ids
+    assert full["token_ids"] == expected.outputs[0].token_ids
+
+    r = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert choices[0]["prompt_token_ids"] == expected.prompt_token_ids
+    assert all(c["prompt_token_ids"] is None for c in choices[1:])
+    assert [t for c in choices for t in c["token_ids"]] == expected.outputs[0].token_ids
+
+    chat = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert len(resp["prompt_token_ids"]) == resp["usage"]["prompt_tokens"]
+    assert len(resp["choices"][0]["token_ids"]) == resp["usage"]["completion_tokens"] == 3
+    plain = httpx.post(
+        f"{server.url}/v1/completions", json=body | {"return_token_ids": False}, timeout=60
+    )
+    assert "token_ids" not in plain.json()["choices"][0]
+
+
 # ---------------------------------------------------------------- concurrency
 
 

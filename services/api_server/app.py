@@ -170,6 +170,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             echo=req.echo,
             echo_only=req.echo_only,
             num_logprobs=req.logprobs,
+            return_token_ids=req.return_token_ids,
         )
         now = time.time()
 
@@ -185,6 +186,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 priority=req.priority,
                 cache_salt=req.cache_salt,
                 echo=req.echo,
+                return_token_ids=req.return_token_ids,
             )
 
         want_lp = req.logprobs is not None
@@ -213,7 +215,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         validate_sampling(sampling)
         check_admission()
         response_id, base_id = response_ids(request, "chatcmpl", req.request_id)
-        ctx = serving.ResponseContext(response_id, int(time.time()), model, req.n)
+        ctx = serving.ResponseContext(
+            response_id, int(time.time()), model, req.n, return_token_ids=req.return_token_ids
+        )
         messages = [m.to_template() for m in req.messages]
         now = time.time()
 
@@ -229,6 +233,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 arrival_time=now,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                return_token_ids=req.return_token_ids,
             )
 
         want_lp = req.logprobs

@@ -61,6 +61,7 @@ class _SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     request_id: str | None = None  # the response id's suffix; an X-Request-Id header wins
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
     allowed_token_ids: list[TokenId] | None = None
 
     def sampling_params(

@@ -49,6 +49,7 @@ class ResponseContext:
     echo: bool = False
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, its token dropped
     num_logprobs: int | None = None  # completions' ``logprobs``: top-N per echoed prompt token
+    return_token_ids: bool = False  # vLLM's prompt_token_ids / token_ids fields
 
     @property
     def num_choices(self) -> int:
@@ -65,6 +66,8 @@ class ChoiceState:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     prompt_logprobs: DecodedPromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] = field(default_factory=list)
     # text_offset of the next logprobs entry: vLLM counts token lengths from the first entry
     # on, across chunks (held-back stop-string text and partial characters lag the tokens).
     next_offset: int = 0
@@ -74,6 +77,8 @@ class ChoiceState:
         self.text.append(text)
         self.logprobs += delta.logprobs
         self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
+        self.prompt_token_ids = self.prompt_token_ids or delta.prompt_token_ids
+        self.token_ids += delta.token_ids
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
@@ -200,6 +205,9 @@ async def completion_stream(
                 "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason,
             }
+            if ctx.return_token_ids:
+                choice["prompt_token_ids"] = delta.prompt_token_ids
+                choice["token_ids"] = delta.token_ids
             yield sse(_chunk(ctx, "text_completion", [choice]))
         if include_usage:
             yield sse({**_chunk(ctx, "text_completion", []), "usage": usage(ctx, states)})
@@ -229,9 +237,16 @@ async def completion_full(
                 "finish_reason": s.finish_reason,
                 "stop_reason": s.stop_reason,
                 "prompt_logprobs": prompt_logprobs_json(s.prompt_logprobs),
+                **_token_ids(ctx, s),
             }
         )
     return {**_chunk(ctx, "text_completion", choices), "usage": usage(ctx, states)}
+
+
+def _token_ids(ctx: ResponseContext, state: ChoiceState) -> dict[str, Any]:
+    if not ctx.return_token_ids:
+        return {}
+    return {"prompt_token_ids": state.prompt_token_ids, "token_ids": state.token_ids}
 
 
 def _chunk(ctx: ResponseContext, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -290,7 +305,12 @@ async def chat_stream(
             }
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
-            yield sse(_chunk(ctx, obj, [choice]))
+            chunk = _chunk(ctx, obj, [choice])
+            if ctx.return_token_ids:
+                choice["token_ids"] = delta.token_ids
+                if delta.prompt_token_ids is not None:  # vLLM: top level, in the first chunk
+                    chunk["prompt_token_ids"] = delta.prompt_token_ids
+            yield sse(chunk)
         if include_usage:
             yield sse({**_chunk(ctx, obj, []), "usage": usage(ctx, states)})
     except EngineRequestError as e:
@@ -310,6 +330,7 @@ async def chat_full(ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool
             "logprobs": chat_logprobs(s.logprobs) if want_logprobs else None,
             "finish_reason": s.finish_reason,
             "stop_reason": s.stop_reason,
+            **({"token_ids": s.token_ids} if ctx.return_token_ids else {}),
         }
         for i, s in enumerate(states)
     ]
@@ -317,4 +338,5 @@ async def chat_full(ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool
         **_chunk(ctx, "chat.completion", choices),
         "usage": usage(ctx, states),
         "prompt_logprobs": prompt_logprobs_json(states[0].prompt_logprobs),
+        "prompt_token_ids": states[0].prompt_token_ids if ctx.return_token_ids else None,
     }

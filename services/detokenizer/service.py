@@ -44,7 +44,8 @@ class _RequestState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     done: bool = False  # final delta sent (stop string); waiting for the scheduler's end
-    prompt_text: str | None = None
+    prompt_text: str | None = None  # handed out once, with the first delta
+    prompt_token_ids: list[int] | None = None  # likewise
 
 
 @dataclass
@@ -74,7 +75,9 @@ class OutputProcessor:
             prompt_token_ids=spec.prompt_tail_ids,
             min_tokens=s.min_tokens,
         )
-        self._states[spec.req_id] = _RequestState(spec, detok, prompt_text=spec.prompt_text)
+        self._states[spec.req_id] = _RequestState(
+            spec, detok, prompt_text=spec.prompt_text, prompt_token_ids=spec.prompt_token_ids
+        )
         return self.process(TokenBatch(self._early.pop(spec.req_id, [])))
 
     def process(self, batch: TokenBatch) -> tuple[list[TextDelta], list[FinishRequest]]:
@@ -132,6 +135,7 @@ class OutputProcessor:
         if not text and finish_reason is None and not logprobs and not item.new_token_ids:
             return None
         prompt_text, state.prompt_text = state.prompt_text, None
+        prompt_ids, state.prompt_token_ids = state.prompt_token_ids, None
         return TextDelta(
             req_id=item.req_id,
             text=text,
@@ -144,6 +148,7 @@ class OutputProcessor:
             num_output_tokens=state.num_output_tokens,
             prompt_text=prompt_text,
             prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=prompt_ids,
         )
 
     def _decode_logprobs(self, lp: TokenLogprobs) -> DecodedLogprob:

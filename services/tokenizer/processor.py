@@ -148,6 +148,7 @@ class RequestProcessor:
             prompt_tail_ids=ids[-_PROMPT_TAIL:],
             prompt_text=text if req.echo else None,
             first_prompt_token_id=ids[0] if sampling.prompt_logprobs is not None else None,
+            prompt_token_ids=list(ids) if req.return_token_ids else None,
         )
         return tokenized, spec
 
