@@ -47,6 +47,16 @@ class ModelArchConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral v0.1's sliding-window attention (None: none, or disabled as in Qwen2's configs).
+    # Not implemented: max_model_len is capped to it, as vLLM's --disable-sliding-window does.
+    sliding_window: int | None = None
+
+    @property
+    def derived_max_model_len(self) -> int:
+        """The longest context this model computes correctly here."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
@@ -67,6 +77,9 @@ class ModelArchConfig:
             )
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            window = cfg.get("sliding_window")
+            if not cfg.get("use_sliding_window", True) or window is None:
+                window = None
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -85,6 +98,7 @@ class ModelArchConfig:
                 rope_scaling=rope_scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                sliding_window=int(window) if window is not None else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"config.json is missing or has a bad value for {e}") from None
@@ -246,8 +260,20 @@ class EngineConfig:
     def finalize(self, arch: ModelArchConfig) -> None:
         """Fill in what depends on the model (max_model_len) and check budgets against it."""
         m, s = self.model, self.scheduler
+        derived = arch.derived_max_model_len
         if m.max_model_len is None:
-            m.max_model_len = arch.max_position_embeddings
+            m.max_model_len = derived
+        elif m.max_model_len > derived:
+            why = (
+                f"the sliding window ({arch.sliding_window}), which this engine does not "
+                "implement, so positions past it would be wrong"
+                if derived < arch.max_position_embeddings
+                else f"the model's max_position_embeddings ({derived})"
+            )
+            raise ConfigError(
+                f"--max-model-len {m.max_model_len} is greater than {why}; "
+                f"use --max-model-len {derived} or less"
+            )
         s.max_model_len = m.max_model_len
         if s.max_num_batched_tokens is None:
             # The budget is the knob between TTFT and ITL: every running request waits for

@@ -546,3 +546,37 @@ def test_default_token_budget(kwargs: dict, expected: int) -> None:
             _ = config.scheduler.token_budget
     config.finalize(arch)
     assert config.scheduler.token_budget == expected
+
+
+def _hf_config(**extra) -> dict:
+    return {
+        "architectures": ["MistralForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "max_position_embeddings": 32768, **extra,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, given, expected",
+    [
+        ({"sliding_window": 4096}, None, 4096),  # Mistral v0.1: capped to the window
+        ({"sliding_window": 4096}, 2048, 2048),
+        ({"sliding_window": None}, None, 32768),  # Mistral v0.2+
+        ({"sliding_window": 4096, "use_sliding_window": False}, None, 32768),  # Qwen2's configs
+        ({}, 32768, 32768),
+        ({"sliding_window": 4096}, 8192, "sliding window"),
+        ({}, 40000, "max_position_embeddings"),
+    ],
+)
+def test_max_model_len_from_the_model(extra: dict, given: int | None, expected) -> None:
+    """max_model_len defaults to what the model computes correctly here; more is refused."""
+    from services.config import ConfigError, EngineConfig, ModelArchConfig
+
+    arch = ModelArchConfig.from_hf_config(_hf_config(**extra))
+    config = EngineConfig.from_kwargs(device="cpu", max_model_len=given)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            config.finalize(arch)
+        return
+    config.finalize(arch)
+    assert config.model.max_model_len == config.scheduler.max_model_len == expected
