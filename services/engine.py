@@ -197,6 +197,7 @@ class LLM:
         max_len = self.config.scheduler.max_model_len
         if sp.max_tokens is None:
             sp.max_tokens = max(1, max_len - len(token_ids))
+        sp.bad_words_token_ids = self.tokenizer.bad_words_token_ids(sp.bad_words)
         if len(token_ids) + sp.max_tokens > max_len:
             raise ValueError(
                 f"This model's maximum context length is {max_len} tokens. However, you "

@@ -47,6 +47,8 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = []  # never generated (as token sequences, after the tokenizer)
+    bad_words_token_ids: list[list[int]] = []  # filled in by the tokenizer from bad_words
 
     def validate(self) -> None:
         def bad(param: str, why: str) -> ValueError:

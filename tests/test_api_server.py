@@ -265,6 +265,7 @@ def test_sampling_fields_reach_the_scheduler(server, http):
         "logit_bias": {"5": 200, "6": -1.5},
         "allowed_token_ids": [5, 6, 7],
         "prompt_logprobs": 2,
+        "bad_words": ["hello world"],
         "unknown_field": "ignored",
     }
     r = http.post("/v1/completions", json=body)
@@ -284,6 +285,11 @@ def test_sampling_fields_reach_the_scheduler(server, http):
         3,
         1,
     )
+    tok = server[4]
+    assert s.bad_words_token_ids == [
+        tok.encode("hello world", add_special_tokens=False).ids,
+        tok.encode(" hello world", add_special_tokens=False).ids,
+    ]
     assert (s.logit_bias, s.allowed_token_ids, s.prompt_logprobs) == (
         {5: 100.0, 6: -1.5},  # clamped to OpenAI's range
         [5, 6, 7],

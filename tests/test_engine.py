@@ -147,3 +147,23 @@ def test_allowed_token_ids_and_logit_bias_offline(roomy_engine, greedy_prompts):
     assert roomy_engine.generate(greedy_prompts[1], biased)[0].outputs[0].token_ids == [1536] * 4
     with pytest.raises(ValueError, match="out of vocabulary"):
         roomy_engine.generate("x", SamplingParams(logit_bias={10**7: 1.0}))
+
+
+def test_bad_words_offline(roomy_engine, greedy_prompts):
+    """Banning the first word of the greedy continuation changes it, and the word never
+    appears as generated tokens."""
+    tok = roomy_engine.tokenizer
+    prompt = greedy_prompts[4]  # "Once upon a time, in a small village by the sea, there lived"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (plain,) = roomy_engine.generate(prompt, params)
+    word = plain.outputs[0].text.split()[0]
+    banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+    (out,) = roomy_engine.generate(prompt, banned)
+    assert out.outputs[0].token_ids != plain.outputs[0].token_ids
+    ids = out.outputs[0].token_ids
+    for seq in tok.bad_words_token_ids([word]):
+        assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids)))
+    assert tok.bad_words_token_ids([" Paris"]) == [
+        tok.encode("Paris", add_special_tokens=False),
+        tok.encode(" Paris", add_special_tokens=False),
+    ]

@@ -239,3 +239,20 @@ def test_token_limit_validation():
         -1,
     )
     assert SamplingParams(logit_bias={1: 1.0}).out_of_vocab_token(VOCAB) is None
+
+
+def test_bad_words_mask_the_token_that_would_complete_one():
+    """A one-token bad word is never sampled; a longer one only once the outputs end with the
+    rest of it (the prompt does not count)."""
+    logits = torch.full((1, VOCAB), 0.0)
+    logits[0, 7] = 9.0  # best
+    logits[0, 3] = 8.0  # second
+    logits[0, 9] = 7.0  # third
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[7], [3, 3]])
+    # Steps: 7 banned -> 3; then 3 would complete [3, 3] -> 9; then 7 banned, 3 allowed again.
+    assert sample_steps([params], [logits] * 3)[0] == [3, 9, 3]
+    # The prompt ends with 3, but only outputs count: the first step may pick 3.
+    batch, states = make_batch([params], prompts=[[1, 3]])
+    md = batch.sampling_metadata(states, VOCAB)
+    assert md.min_tokens_mask is not None
+    assert md.min_tokens_mask[1].tolist() == [7]

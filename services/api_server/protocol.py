@@ -62,6 +62,7 @@ class _SamplingFields(OpenAIBaseModel):
     request_id: str | None = None  # the response id's suffix; an X-Request-Id header wins
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
+    bad_words: list[str] | None = None  # vLLM's: words never to generate
     allowed_token_ids: list[TokenId] | None = None
 
     def sampling_params(
@@ -87,6 +88,7 @@ class _SamplingFields(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )

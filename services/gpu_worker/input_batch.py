@@ -158,7 +158,7 @@ class InputBatch:
                 prompt_token_ids=prompt_ids,
                 output_token_ids=output_ids,
             )
-        rows, toks = [], []
+        rows, toks = self._bad_words(states, vocab_size)
         for i, s in enumerate(states):
             if s.num_tokens - s.num_prompt_tokens < s.sampling.min_tokens:
                 stop = list(s.sampling.stop_token_ids)
@@ -173,6 +173,25 @@ class InputBatch:
         md.max_num_logprobs = max(wanted) if wanted else None
         self._token_limits(md, states, vocab_size)
         return md
+
+    def _bad_words(
+        self, states: list[CachedRequestState], vocab_size: int
+    ) -> tuple[list[int], list[int]]:
+        """(row, token) pairs that would complete one of a row's bad-word sequences: a
+        sequence's last token, where the row's outputs end with the rest of it (vLLM's rule;
+        the prompt does not count)."""
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, s in enumerate(states):
+            for seq in s.sampling.bad_words_token_ids:
+                prefix = len(seq) - 1
+                if s.num_tokens - s.num_prompt_tokens < prefix:
+                    continue
+                tail = self.token_ids[s.row, s.num_tokens - prefix : s.num_tokens]
+                if (prefix == 0 or tail.tolist() == seq[:-1]) and 0 <= seq[-1] < vocab_size:
+                    rows.append(i)
+                    toks.append(seq[-1])
+        return rows, toks
 
     def _token_limits(
         self, md: SamplingMetadata, states: list[CachedRequestState], vocab_size: int

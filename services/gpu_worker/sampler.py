@@ -32,7 +32,8 @@ class SamplingMetadata:
     """Per-row sampling parameters of the N rows that sample this step (device tensors).
 
     Optional parts are None when no row uses them. ``min_tokens_mask`` is
-    (row indices, token ids) whose logits are forced to -inf. ``generators`` maps a
+    (row indices, token ids) whose logits are forced to -inf: stop tokens before
+    ``min_tokens``, and the tokens that would complete a bad word. ``generators`` maps a
     row to its request's own generator; the other random rows share the sampler's.
     """
 

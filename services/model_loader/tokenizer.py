@@ -43,6 +43,18 @@ class TokenizerInfo:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's ``bad_words`` as token sequences: each word as written and, when that
+        tokenizes differently, after a space (the same word mid-sentence)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
+            sequences += [plain] if plain else []
+            if spaced and spaced != plain and (not plain or spaced[0] != plain[0]):
+                sequences.append(spaced)
+        return sequences
+
 
 def _token_text(value: Any) -> str | None:
     # tokenizer_config.json writes a token either as a string or as a serialized AddedToken.

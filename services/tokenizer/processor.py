@@ -129,7 +129,11 @@ class RequestProcessor:
                 )
         except PromptError as e:
             return RequestError(req.req_id, 400, str(e), param=e.param)
-        sampling = msgspec.structs.replace(req.sampling, max_tokens=max_tokens)
+        sampling = msgspec.structs.replace(
+            req.sampling,
+            max_tokens=max_tokens,
+            bad_words_token_ids=self.tokenizer.bad_words_token_ids(req.sampling.bad_words),
+        )
         if req.echo and text is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         tokenized = TokenizedRequest(
