@@ -249,7 +249,7 @@ class TokenBatch(msgspec.Struct, **_STRUCT):
 _TAGGED = {**_STRUCT, "tag": True}
 
 
-class GenerateRequest(msgspec.Struct, **_TAGGED):
+class GenerateRequest(msgspec.Struct, **_STRUCT):
     """A completion or chat request, validated by the api_server, not yet tokenized.
 
     Exactly one of ``prompt``, ``prompt_token_ids`` and ``messages`` is set.
@@ -300,7 +300,7 @@ class GenerateBatch(msgspec.Struct, **_TAGGED):
     requests: list[GenerateRequest]
 
 
-TokenizerInput = GenerateRequest | GenerateBatch | TokenizeRequest | DetokenizeRequest
+TokenizerInput = GenerateBatch | TokenizeRequest | DetokenizeRequest
 
 
 class TokenizedRequest(msgspec.Struct, **_TAGGED):

@@ -129,3 +129,30 @@ NUM_GREEDY_TOKENS = 32
 def hf_greedy_tokens(hf_reference: HFReference, greedy_prompts: list[list[int]]) -> list[list[int]]:
     """HF's greedy continuations of ``greedy_prompts``, computed once per session."""
     return [hf_reference.greedy(p, NUM_GREEDY_TOKENS) for p in greedy_prompts]
+
+
+# ---- the HTTP layer on a fake engine (tests/fake_engine.py); test_server.py has its own
+
+
+@pytest.fixture(scope="module")
+def server():
+    """(base url, FakeScheduler, EngineFrontend, ServerSettings, tokenizer), one per module."""
+    from tests.fake_engine import serve_fake_engine
+
+    with serve_fake_engine() as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+@pytest.fixture
+def http(server):
+    import httpx
+
+    with httpx.Client(base_url=server[0], timeout=20) as c:
+        yield c

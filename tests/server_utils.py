@@ -11,6 +11,7 @@ next one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -153,3 +154,8 @@ def wait_metric(server: RemoteServer, name: str, value: float, timeout_s: float)
             return False
         time.sleep(0.1)
     return True
+
+
+def sse_chunks(body: str) -> list[dict]:
+    """The JSON chunks of a streamed (SSE) response body, without the final ``[DONE]``."""
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]

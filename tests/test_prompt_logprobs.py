@@ -132,9 +132,11 @@ def test_request_keeps_one_copy_of_each_position_and_sends_once():
     request.add_prompt_logprobs(PromptLogprobs("r", 3, [_lp(t) for t in range(13, 20)]))
     assert [x.token_id for x in request.prompt_logprobs] == list(range(11, 20))
 
+    request.append_output_token_ids([7])
     out = Scheduler._output(request, [7], None)
     assert [x.token_id for x in out.prompt_logprobs] == list(range(11, 20))
     assert not request.skip_reading_prefix_cache  # sent: a later resume may hit the cache
+    request.append_output_token_ids([8])
     assert Scheduler._output(request, [8], None).prompt_logprobs == []
     request.add_prompt_logprobs(PromptLogprobs("r", 1, [_lp(11)]))  # recomputed after sending
     assert request.prompt_logprobs == []

@@ -9,7 +9,6 @@ processes, sockets, tokenizer service, detokenizer service or HTTP layer.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 
 import httpx
@@ -17,7 +16,7 @@ import openai
 import pytest
 
 from services.engine import LLM, SamplingParams
-from tests.server_utils import RemoteServer, metric, wait_metric
+from tests.server_utils import RemoteServer, metric, sse_chunks, wait_metric
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -236,7 +235,7 @@ def test_echo_logprobs_score_the_prompt(
         if not stream:
             lp = r.json()["choices"][0]["logprobs"]
             return lp["text_offset"], [len(t or {}) for t in lp["top_logprobs"]]
-        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+        chunks = sse_chunks(r.text)
         lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
         tops = [len(t or {}) for lp in lps for t in lp["top_logprobs"]]
         return [o for lp in lps for o in lp["text_offset"]], tops
@@ -310,7 +309,7 @@ def test_return_token_ids(server: RemoteServer, llm: LLM) -> None:
     assert full["token_ids"] == expected.outputs[0].token_ids
 
     r = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60)
-    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+    chunks = sse_chunks(r.text)
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     assert choices[0]["prompt_token_ids"] == expected.prompt_token_ids
     assert all(c["prompt_token_ids"] is None for c in choices[1:])

@@ -12,6 +12,7 @@ from services.protocol import (
     DetokenizeRequest,
     DetokenizeResult,
     EngineCoreInput,
+    GenerateBatch,
     GenerateRequest,
     RequestError,
     RequestOutputSpec,
@@ -146,8 +147,10 @@ def test_service_loop_routes_messages(proc):
         t = threading.Thread(target=serve_tokenizer, args=(proc, ep, stop), daemon=True)
         t.start()
         try:
-            requests.send(GenerateRequest("ok", SamplingParams(max_tokens=4), prompt="hi"))
-            requests.send(GenerateRequest("bad", SamplingParams(max_tokens=4), prompt=""))
+            ok = GenerateRequest("ok", SamplingParams(max_tokens=4), prompt="hi")
+            requests.send(GenerateBatch([ok]))
+            bad = GenerateRequest("bad", SamplingParams(max_tokens=4), prompt="")
+            requests.send(GenerateBatch([bad]))
             requests.send(TokenizeRequest("tok", prompt="hi"))
             spec = specs.recv(timeout_ms=5000)
             tokenized = core.recv(timeout_ms=5000)

@@ -271,21 +271,20 @@ class ModelRunner:
         scores prompt token p + 1, so a chunk covering positions [a, b) yields tokens
         a + 1 .. min(b, num_prompt_tokens - 1). The last prompt position samples instead."""
         result: list[PromptLogprobs] = []
-        chunk_starts = np.cumsum(scheduled) - scheduled
         for i, s in enumerate(states):
             num_top = s.sampling.prompt_logprobs
-            first, end = (
-                int(computed[i]),
-                min(int(computed[i] + scheduled[i]), s.num_prompt_tokens - 1),
-            )
-            if num_top is None or first >= end:
+            if num_top is None:
+                continue
+            first = int(computed[i])
+            end = min(first + int(scheduled[i]), s.num_prompt_tokens - 1)
+            if first >= end:
                 continue
             targets = torch.from_numpy(
                 self.input_batch.token_ids[s.row, first + 1 : end + 1].astype(np.int64)
             ).to(self.device)
             items: list[TokenLogprobs] = []
             for off in range(0, end - first, _PROMPT_LOGPROBS_ROWS):
-                row0 = int(chunk_starts[i]) + off
+                row0 = int(scheduled[:i].sum()) + off  # this request's first row in the step
                 tgt = targets[off : off + _PROMPT_LOGPROBS_ROWS]
                 logprobs = self.model.compute_logits(hidden[row0 : row0 + len(tgt)])
                 top_ids, top_lps, lps, ranks = gather_logprobs(

@@ -98,7 +98,6 @@ class Request:
 
         # Prompt tokens 1.. scored so far (prompt_logprobs), sent once with the first output.
         self.prompt_logprobs: list[TokenLogprobs] = []
-        self.prompt_logprobs_sent = False
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedRequest) -> Request:
@@ -132,14 +131,15 @@ class Request:
 
     @property
     def prompt_logprobs_pending(self) -> bool:
-        """Asked for prompt logprobs and not sent them yet."""
-        return self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+        """Asked for prompt logprobs and not sent them yet: they go out with the first
+        output token, so until there is one."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def worker_sampling_params(self) -> SamplingParams:
         """What the worker needs: no prompt logprobs once they went out (a request resumed
         after preemption recomputes its prompt; scoring it again would be wasted)."""
-        if self.prompt_logprobs_sent and self.sampling_params.prompt_logprobs is not None:
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_pending:
             return msgspec.structs.replace(self.sampling_params, prompt_logprobs=None)
         return self.sampling_params
 

@@ -351,9 +351,9 @@ class Scheduler:
         request: Request, new_token_ids: list[int], finish_reason: str | None, logprobs=()
     ) -> RequestTokens:
         prompt_logprobs: list[TokenLogprobs] = []
-        if new_token_ids and request.prompt_logprobs_pending:
+        first_output = 0 < len(new_token_ids) == request.num_output_tokens
+        if first_output and request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
-            request.prompt_logprobs_sent = True
         return RequestTokens(
             req_id=request.req_id,
             new_token_ids=new_token_ids,

@@ -24,7 +24,6 @@ from services.protocol import (
     DetokenizeRequest,
     EngineCoreInput,
     GenerateBatch,
-    GenerateRequest,
     RequestError,
     RequestOutputSpec,
     TokenizeRequest,
@@ -72,10 +71,9 @@ def serve_tokenizer(
             if msg is None:
                 continue
             try:
-                if isinstance(msg, GenerateRequest | GenerateBatch):
-                    batch = msg.requests if isinstance(msg, GenerateBatch) else [msg]
+                if isinstance(msg, GenerateBatch):
                     outs = []
-                    for req in batch:
+                    for req in msg.requests:
                         start = time.perf_counter()
                         outs.append(processor.process(req))
                         if tokenize_time is not None:

@@ -1,0 +1,65 @@
+"""What EngineConfig.finalize derives from the model and the device: the default token
+budget (--max-num-batched-tokens) and max_model_len."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.config import ConfigError, EngineConfig, ModelArchConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"device": "cpu"}, 512),
+        ({"device": "cuda"}, 2048),
+        ({"device": "cpu", "max_num_batched_tokens": 4096}, 4096),  # a given value wins
+        ({"device": "cpu", "enable_chunked_prefill": False}, 1000),  # whole prompts must fit
+        ({"device": "cuda", "enable_chunked_prefill": False}, 2048),
+    ],
+)
+def test_default_token_budget(kwargs: dict, expected: int) -> None:
+    """--max-num-batched-tokens left unset resolves per device at finalize time."""
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1000,
+    )  # fmt: skip
+    config = EngineConfig.from_kwargs(**kwargs)
+    if "max_num_batched_tokens" not in kwargs:
+        with pytest.raises(ValueError, match="finalize"):
+            _ = config.scheduler.token_budget
+    config.finalize(arch)
+    assert config.scheduler.token_budget == expected
+
+
+def _hf_config(**extra) -> dict:
+    return {
+        "architectures": ["MistralForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "max_position_embeddings": 32768, **extra,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, given, expected",
+    [
+        ({"sliding_window": 4096}, None, 4096),  # Mistral v0.1: capped to the window
+        ({"sliding_window": 4096}, 2048, 2048),
+        ({"sliding_window": None}, None, 32768),  # Mistral v0.2+
+        ({"sliding_window": 4096, "use_sliding_window": False}, None, 32768),  # Qwen2's configs
+        ({}, 32768, 32768),
+        ({"sliding_window": 4096}, 8192, "sliding window"),
+        ({}, 40000, "max_position_embeddings"),
+    ],
+)
+def test_max_model_len_from_the_model(extra: dict, given: int | None, expected) -> None:
+    """max_model_len defaults to what the model computes correctly here; more is refused."""
+    arch = ModelArchConfig.from_hf_config(_hf_config(**extra))
+    config = EngineConfig.from_kwargs(device="cpu", max_model_len=given)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            config.finalize(arch)
+        return
+    config.finalize(arch)
+    assert config.model.max_model_len == config.scheduler.max_model_len == expected
