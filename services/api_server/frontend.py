@@ -197,14 +197,14 @@ class EngineFrontend:
                 "RateLimitError",
             )
         registered: list[str] = []
-        sent: list[str] = []
+        sent = False
         finished: set[str] = set()
         try:
             for i, req in enumerate(reqs):
                 self._register(req.req_id, queue, i)
                 registered.append(req.req_id)
             await self._send(GenerateBatch(reqs))  # one tokenizer checks the group as a whole
-            sent = registered
+            sent = True
             if on_sent is not None:
                 on_sent(len(reqs))
             while len(finished) < len(reqs):
@@ -219,7 +219,7 @@ class EngineFrontend:
         finally:
             for req_id in registered:
                 self._release(req_id)
-            if unfinished := [r for r in sent if r not in finished]:
+            if sent and (unfinished := [r for r in registered if r not in finished]):
                 # May run inside a cancelled scope (client gone): send from a new task.
                 task = asyncio.get_running_loop().create_task(self.abort(unfinished))
                 self._tasks.add(task)
