@@ -97,9 +97,7 @@ def test_free_block_queue_is_a_linked_list_with_o1_removal():
 
 
 def _pool(num_blocks=6, **kwargs) -> BlockPool:
-    return BlockPool(
-        num_blocks, enable_caching=True, block_size=2, enable_kv_cache_events=True, **kwargs
-    )
+    return BlockPool(num_blocks, block_size=2, enable_kv_cache_events=True, **kwargs)
 
 
 def _cache(pool: BlockPool, blocks, hashes, tokens=None) -> None:

@@ -144,7 +144,3 @@ class IncrementalDetokenizer:
         if final:
             self._finished = True
         return delta
-
-    def decode_token(self, token_id: int) -> str:
-        """One token's own text, for logprobs (vLLM decodes each id alone too)."""
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)

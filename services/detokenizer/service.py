@@ -221,19 +221,6 @@ def serve_detokenizer(
             sock.close()
 
 
-def run_detokenizer(
-    model: str | None,
-    endpoints: DetokenizerEndpoints,
-    *,
-    load_format: str = "auto",
-    stop_event: threading.Event | None = None,
-) -> None:
-    """Process entry point: load the model's tokenizer, then serve."""
-    from services.tokenizer.loader import load_serving_tokenizer
-
-    serve_detokenizer(load_serving_tokenizer(model, load_format).tokenizer, endpoints, stop_event)
-
-
 def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     """Child-process entry point: load the tokenizer, bind, report READY, serve."""
     from services.tokenizer.loader import load_serving_tokenizer

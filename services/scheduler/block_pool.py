@@ -37,7 +37,6 @@ class BlockPool:
     def __init__(
         self,
         num_blocks: int,
-        enable_caching: bool,
         block_size: int,
         *,
         enable_kv_cache_events: bool = False,
@@ -48,7 +47,6 @@ class BlockPool:
                 f"a block pool needs at least 2 blocks (one is reserved), got {num_blocks}"
             )
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]

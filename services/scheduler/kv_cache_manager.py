@@ -35,17 +35,12 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(
             num_blocks,
-            enable_caching,
             block_size,
             enable_kv_cache_events=enable_kv_cache_events,
             metrics=metrics,
         )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a request not yet holding blocks, and its length in tokens.

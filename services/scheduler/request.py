@@ -24,10 +24,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = enum.auto()
 
     @property
-    def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
-
-    @property
     def finish_reason(self) -> str | None:
         """The OpenAI finish_reason: "stop", "length", "abort" or "error"."""
         return _FINISH_REASONS.get(self)
@@ -162,10 +158,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
 
     @property
     def finish_reason(self) -> str | None:

@@ -101,21 +101,6 @@ def serve_tokenizer(
             sock.close()
 
 
-def run_tokenizer(
-    model: str | None,
-    max_model_len: int,
-    endpoints: TokenizerEndpoints,
-    *,
-    load_format: str = "auto",
-    stop_event: threading.Event | None = None,
-) -> None:
-    """Process entry point: load the model's tokenizer, then serve."""
-    from services.tokenizer.loader import load_serving_tokenizer
-
-    processor = RequestProcessor(load_serving_tokenizer(model, load_format), max_model_len)
-    serve_tokenizer(processor, endpoints, stop_event)
-
-
 def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     """Child-process entry point: load the tokenizer, report READY, serve."""
     from services.tokenizer.loader import load_serving_tokenizer
