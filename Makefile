@@ -39,9 +39,18 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.attention_cpu
 	$(BIN)/python -m bench.offline
 
-# On a machine with an NVIDIA GPU: kernel tests on CUDA, then kernel and 8B-decode timings.
-gpu-check: $(STAMP)
-	$(BIN)/python -m bench.gpu_check --out bench/out/gpu_check.json
+# On a machine with an NVIDIA GPU: kernel tests on CUDA, then kernel and 8B-decode timings,
+# into bench/out/gpu_check.json. Runs in .venv if `make install` built it, else in python3 as
+# it comes (its own torch and triton; GPU_CHECK_PY=... picks another), with the wheels from
+# `make gpu-wheels` in .whl/ for what it lacks: a lent GPU machine has no network.
+gpu-check:
+	bash bench/gpu_check_device.sh run
+
+# Where pip reaches PyPI: the wheels (cp312) that gpu-check needs and a lent GPU machine
+# lacks, into .whl/ (git-ignored), to carry there.
+.PHONY: gpu-wheels
+gpu-wheels:
+	bash bench/gpu_check_device.sh fetch
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,22 +13,32 @@ For a machine with an NVIDIA GPU (``make gpu-check``); the whole run fits in ~8 
    one decode step at batch 1, 64 and 256, context 2048, against (weight bytes + KV
    bytes) / bandwidth.
 
+Before any of it, every module these parts use is imported (so that a missing package shows
+up at once, also on a machine without a GPU) and the third-party distributions that loaded
+are listed. A lent GPU machine runs it with its own torch and triton through
+``bench/gpu_check_device.sh``, which brings the few packages it lacks as wheels.
+
 Times are medians over many runs after warm-up, from CUDA events. Prints one table and
-writes the results as JSON (``--out``). Exit status: 0 if the tests passed, 1 if not,
-2 without a GPU.
+writes the results as JSON (``--out``), after each part, so that a part that fails, a
+timeout (SIGTERM) or Ctrl-C still leaves the table and JSON of what ran. Exit status: 0 if
+the tests passed and every part ran, 1 if not, 2 without a GPU (after the imports).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +85,58 @@ def row(
     case: str, ours: float | None, ref: float | None, floor: float | None, note: str = ""
 ) -> dict:
     return {"case": case, "ours_ms": ours, "ref_ms": ref, "floor_ms": floor, "note": note}
+
+
+# ---------------------------------------------------------------- 0. imports
+
+# Every module that the parts below import, here or in the pytest subprocess: a package that
+# is missing (a lent GPU machine's image has no msgspec or gguf, say) shows up at once.
+MODULES = (
+    "triton", "numpy", "pytest", "kernels", "kernels.attention", "kernels.kv_cache",
+    "services.config", "services.model_loader.weights", "services.gpu_worker.model_runner",
+    "services.gpu_worker.attention.torch_backend", "services.gpu_worker.model.llama",
+    "tests.conftest", "tests.test_kernels",
+)  # fmt: skip
+OURS = {"services", "kernels", "launch", "bench", "tests"}
+
+
+def check_imports() -> dict[str, str]:
+    """Imports ``MODULES``: {module: "ok" or the error}."""
+    status = {}
+    for name in MODULES:
+        try:
+            importlib.import_module(name)
+            status[name] = "ok"
+        except Exception as e:  # ImportError, or whatever a module raises as it loads
+            status[name] = f"{type(e).__name__}: {e}"
+    return status
+
+
+def loaded_packages() -> dict[str, str]:
+    """{distribution: "version (folder)"} of the third-party packages imported so far."""
+    by_module = importlib.metadata.packages_distributions()
+    found: dict[str, str] = {}
+    for top in sorted({name.split(".")[0] for name in list(sys.modules)}):
+        if top in sys.stdlib_module_names or top in OURS:
+            continue
+        module = sys.modules.get(top)
+        where: Any = getattr(module, "__file__", None) or "?"
+        if where != "?":  # the folder it was imported from (site-packages, /tmp/site...)
+            where = Path(where).parent
+            where = where.parent if hasattr(module, "__path__") else where
+        for dist in by_module.get(top, []):
+            if dist != "actorserve" and dist not in found:
+                found[dist] = f"{importlib.metadata.version(dist)} ({where})"
+    return dict(sorted(found.items(), key=lambda kv: kv[0].lower()))
+
+
+def git_commit() -> str | None:
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() or None
 
 
 # ---------------------------------------------------------------- 1. tests
@@ -185,8 +247,8 @@ def attention_case(kind: str, batch: int, q_len: int, ctx: int, bandwidth: float
     return row(name, ours, ref, kv_bytes / bandwidth * 1e3, note)
 
 
-def bench_attention(bandwidth: float, deadline: float) -> list[dict]:
-    rows = []
+def bench_attention(bandwidth: float, deadline: float, rows: list[dict]) -> None:
+    """Appends one row per case to ``rows`` (as it goes: an interrupt keeps the ones done)."""
     cases = [("decode", 64, 1, CONTEXT), ("decode", 256, 1, CONTEXT), ("decode", 4, 1, 16384),
              ("prefill", 1, 4096, 4096), ("prefill", 8, 1024, 1024)]  # fmt: skip
     for kind, batch, q_len, ctx in cases:
@@ -199,7 +261,6 @@ def bench_attention(bandwidth: float, deadline: float) -> list[dict]:
         except Exception as e:  # one failing case must not hide the others
             rows.append(row(name, None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200]))
         torch.cuda.empty_cache()
-    return rows
 
 
 # ---------------------------------------------------------------- 4. model decode step
@@ -216,17 +277,22 @@ def _gpu_dummy_weights(arch: Any):
             yield name, torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_(0.0, 0.02)
 
 
-def bench_model(bandwidth: float, deadline: float, batches: tuple[int, ...]) -> list[dict]:
+def bench_model(
+    bandwidth: float, deadline: float, batches: tuple[int, ...], rows: list[dict]
+) -> None:
+    """Appends one row per batch size to ``rows`` (as it goes)."""
     try:
         import numpy as np
 
         from services.config import EngineConfig, ModelArchConfig
         from services.gpu_worker.model_runner import ModelRunner, build_attention_metadata
     except ImportError as e:
-        return [row("model decode", None, None, None, f"skipped: no model runner ({e})")]
+        rows.append(row("model decode", None, None, None, f"skipped: no model runner ({e})"))
+        return
 
     if time.monotonic() > deadline - 60:  # building the model and its cache takes a while
-        return [row("model decode", None, None, None, "skipped: out of time")]
+        rows.append(row("model decode", None, None, None, "skipped: out of time"))
+        return
     arch = ModelArchConfig.from_hf_config(LLAMA3_8B)
     config = EngineConfig()
     config.model.load_format = "dummy"
@@ -251,7 +317,6 @@ def bench_model(bandwidth: float, deadline: float, batches: tuple[int, ...]) -> 
     num_blocks = min(max(batches) * blocks_per_seq, fits)
     runner.initialize_kv_cache(num_blocks)
 
-    rows = []
     for batch in batches:
         name = f"model decode B={batch} ctx={CONTEXT}"
         need = batch * blocks_per_seq
@@ -281,7 +346,6 @@ def bench_model(bandwidth: float, deadline: float, batches: tuple[int, ...]) -> 
         rows.append(
             row(name, ms, None, floor, f"{batch / ms * 1e3:.0f} tok/s; eager, no CUDA graphs")
         )
-    return rows
 
 
 # ---------------------------------------------------------------- report
@@ -299,6 +363,74 @@ def print_table(rows: list[dict]) -> None:
               f"{_fmt(r['floor_ms']):>9} {eff:>10}  {r['note']}")  # fmt: skip
 
 
+class Terminated(BaseException):
+    """SIGTERM (``timeout``'s, say), raised where the check is, so that what ran is reported."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+def run_parts(
+    args: argparse.Namespace, deadline: float, results: dict, save: Callable[[], None]
+) -> bool:
+    """Parts 1-4, on the GPU; fills ``results`` (saving it after each part), False if one
+    failed. An interrupt propagates, with what ran already in ``results``."""
+    import triton
+
+    rows, errors = results["rows"], results["errors"]
+    props = torch.cuda.get_device_properties(0)
+    results.update(
+        device=props.name,
+        num_sms=props.multi_processor_count,
+        memory_gib=round(props.total_memory / GiB, 1),
+        triton=triton.__version__,
+    )
+    print(f"{props.name}, {results['memory_gib']} GiB, torch {torch.__version__}, "
+          f"triton {triton.__version__}", flush=True)  # fmt: skip
+    ok = True
+    if not args.skip_tests:
+        results["tests"] = run_tests(timeout_s=min(300, args.budget_s * 0.6))
+        ok = results["tests"]["passed"]
+        save()
+
+    try:
+        bandwidth = copy_bandwidth()
+    except Exception as e:  # every floor divides by it: nothing more to time
+        errors.append(f"copy bandwidth: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return False
+    torch.cuda.empty_cache()
+    results["copy_bandwidth_gbps"] = round(bandwidth / 1e9, 1)
+    print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
+    bench_attention(bandwidth, deadline, rows)
+    save()
+    if args.skip_model:
+        rows.append(row("model decode", None, None, None, "skipped (--skip-model)"))
+    else:
+        try:
+            bench_model(bandwidth, deadline, (1, 64, 256), rows)
+        except Exception as e:  # report it in the table, keep the rest
+            traceback.print_exc()
+            rows.append(
+                row("model decode", None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200])
+            )
+        torch.cuda.empty_cache()
+    return ok and not any(r["note"].startswith("FAILED") for r in rows)
+
+
+def report(results: dict) -> None:
+    if "tests" in results:
+        t = results["tests"]
+        print(f"\nkernel tests on CUDA: {'passed' if t['passed'] else 'FAILED'} ({t['seconds']} s)")
+    if "copy_bandwidth_gbps" in results:
+        print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s; floor = bytes / bandwidth")
+    if results["rows"]:
+        print_table(results["rows"])
+    for error in results["errors"]:
+        print(f"ERROR: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON results")
@@ -306,60 +438,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu-check needs an NVIDIA GPU: torch sees no CUDA device", file=sys.stderr)
-        return 2
+    # Before the imports: on a host without CUDA, importing kernels sets it.
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: gpu-check times compiled kernels", file=sys.stderr)
         return 2
-    try:
-        import triton
-    except ImportError:
+    start = time.monotonic()
+    results: dict[str, Any] = {
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rows": [],
+        "errors": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        results["seconds"] = round(time.monotonic() - start, 1)
+        args.out.write_text(json.dumps(results, indent=2))
+
+    imports = results["imports"] = check_imports()
+    results["packages"] = loaded_packages()
+    print("imported: " + ", ".join(f"{d} {v}" for d, v in results["packages"].items()))
+    missing = {m: e for m, e in imports.items() if e != "ok"}
+    for module, error in missing.items():
+        print(f"MISSING: {module}: {error}", file=sys.stderr)
+        results["errors"].append(f"import {module}: {error}")
+    print(f"imports: {len(imports) - len(missing)} of {len(imports)} modules import", flush=True)
+    save()
+    if not torch.cuda.is_available():
+        print("gpu-check needs an NVIDIA GPU: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if "triton" in missing:
         print("gpu-check needs triton (pip install triton)", file=sys.stderr)
         return 2
-    start = time.monotonic()
-    deadline = start + args.budget_s
-    props = torch.cuda.get_device_properties(0)
-    results: dict[str, Any] = {
-        "device": props.name,
-        "num_sms": props.multi_processor_count,
-        "memory_gib": round(props.total_memory / GiB, 1),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-    }
-    print(f"{props.name}, {results['memory_gib']} GiB, torch {torch.__version__}, "
-          f"triton {triton.__version__}", flush=True)  # fmt: skip
-    tests_ok = True
-    if not args.skip_tests:
-        results["tests"] = run_tests(timeout_s=min(300, args.budget_s * 0.6))
-        tests_ok = results["tests"]["passed"]
 
-    bandwidth = copy_bandwidth()
-    torch.cuda.empty_cache()
-    results["copy_bandwidth_gbps"] = round(bandwidth / 1e9, 1)
-    print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
-    rows = bench_attention(bandwidth, deadline)
-    if args.skip_model:
-        rows.append(row("model decode", None, None, None, "skipped (--skip-model)"))
-    else:
-        try:
-            rows += bench_model(bandwidth, deadline, batches=(1, 64, 256))
-        except Exception as e:  # report it in the table, keep the rest
-            rows.append(
-                row("model decode", None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200])
-            )
-    results["rows"] = rows
-    results["seconds"] = round(time.monotonic() - start, 1)
-
-    if "tests" in results:
-        t = results["tests"]
-        print(f"\nkernel tests on CUDA: {'passed' if t['passed'] else 'FAILED'} ({t['seconds']} s)")
-    print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s; floor = bytes / bandwidth")
-    print_table(rows)
-    args.out.write_text(json.dumps(results, indent=2))
+    ok = False
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        ok = run_parts(args, start + args.budget_s, results, save) and not missing
+    except (Terminated, KeyboardInterrupt) as e:
+        results["errors"].append(
+            f"interrupted ({type(e).__name__} {e}) after {time.monotonic() - start:.0f} s"
+        )
+    except Exception as e:  # a part broke outside its own guard: still report what ran
+        traceback.print_exc()
+        results["errors"].append(f"{type(e).__name__}: {e}")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    report(results)
+    save()
     print(f"\nwrote {args.out} ({results['seconds']} s)")
-    return 0 if tests_ok else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
