@@ -297,7 +297,7 @@ def bench_model(
     config = EngineConfig()
     config.model.load_format = "dummy"
     config.model.dtype = "bfloat16"
-    config.model.max_model_len = 4096
+    config.scheduler.max_model_len = 4096
     config.worker.device = DEVICE
     config.worker.attention_backend = "triton"
     config.cache.block_size = BLOCK_SIZE

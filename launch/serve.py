@@ -25,6 +25,7 @@ import msgspec
 
 from launch.child import CONTROL_ENV
 from launch.process import Child, ProcessGroup
+from launch.workers import missing_ranks, resolve_master_port, start_worker_ranks
 from services.config import ConfigError, Endpoints, EngineConfig, ModelArchConfig, ServeConfig
 from services.ipc import IpcDir, PullSocket, PushSocket
 from services.logging_utils import init_logger
@@ -94,18 +95,26 @@ class Launcher:
                     "during start-up (its error is above)"
                 )
             if time.monotonic() > deadline:
-                raise StartupError(f"timed out waiting for {dict(+expected)} to start")
+                what = dict(+expected)
+                if expected["worker"]:
+                    world = self.config.engine.parallel.world_size
+                    what["worker ranks"] = missing_ranks(  # type: ignore[assignment]
+                        [r for r in got if r.role == "worker"], world
+                    )
+                raise StartupError(f"timed out waiting for {what} to start")
             ready = self.control.recv(timeout_ms=_POLL_MS)
             if ready is not None:
                 self._ready.append(ready)
 
     def start(self) -> None:
-        self._start("worker", "0")
+        world = self.config.engine.parallel.world_size
+        start_worker_ranks(self.group, self.config, self._env)
         self._start("detokenizer")
         for _ in range(self.config.tokenizer_workers):
             self._start("tokenizer")
-        (worker,) = self._wait_ready(Counter(worker=1), timeout_s=900)
-        self.config.num_blocks = worker.num_blocks
+        workers = self._wait_ready(Counter(worker=world), timeout_s=900)
+        # Every rank holds its shard of every block: the smallest rank sets the pool.
+        self.config.num_blocks = min(w.num_blocks for w in workers)
         self._start("scheduler")
         self._wait_ready(
             Counter(scheduler=1, detokenizer=1, tokenizer=self.config.tokenizer_workers), 300
@@ -171,6 +180,7 @@ def run_server(args: object) -> int:
     model = engine.model.model
     folder = prepare_model(model, engine.model.load_format)
     engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))
+    resolve_master_port(engine.parallel)
     a = vars(args)
     ipc = IpcDir()
     endpoints = Endpoints(**{name: ipc.endpoint(name) for name in _SOCKETS})

@@ -8,10 +8,17 @@ for the user; the CLI prints it and exits with status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import logging
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from services.gpu_worker.registry import ATTENTION_BACKENDS, WORKER_BACKENDS
+from services.scheduler.block_hash import HASH_FUNCTIONS
+from services.scheduler.request_queue import REQUEST_QUEUES
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -104,44 +111,123 @@ class ModelArchConfig:
             raise ConfigError(f"config.json is missing or has a bad value for {e}") from None
 
 
+def parse_size(text: str) -> int:
+    """'4096', '4k', '1.5G', '256MiB' -> integer (k/M/G are powers of 1024 as vLLM's parser)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def parse_token_count(text: str) -> int:
+    """'8192', '32k', '1m' (k = 1000 as vLLM's --max-model-len parser; 'K' = 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20, "g": 10**9, "G": 1 << 30}
+    return int(float(m.group(1)) * scale[m.group(2)])
+
+
+# Every allowed value of a choice flag is listed once, here or in the registry it names.
+DTYPES = {
+    "auto": "auto", "float32": "float32", "float": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}  # fmt: skip
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata that makes a dataclass field a CLI flag (``add_engine_args``):
+    ``--field-name``, plus ``aliases``, a ``type`` parser and ``choices`` when given."""
+    return {"flag": {"help": help, **argparse_kwargs}}
+
+
+def _choices(registry: Any) -> tuple[str, ...]:
+    return tuple(registry)
+
+
 @dataclass
 class ModelConfig:
     """Which model to serve and how to load it."""
 
-    model: str | None = None  # path to a GGUF file or HF folder; None = default model
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    load_format: str = "auto"  # auto | gguf | safetensors | dummy
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    seed: int = 0
+    model: str | None = field(
+        default=None,
+        metadata=_flag("GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "weights and activations (auto: fp32 on CPU, bf16 on GPU)", choices=tuple(DTYPES)
+        ),
+    )
+    load_format: str = field(
+        default="auto", metadata=_flag("dummy: random weights", choices=LOAD_FORMATS)
+    )
+    seed: int = field(default=0, metadata=_flag("seed of the sampler's shared generator"))
 
 
 @dataclass
 class CacheConfig:
     """The paged KV cache and its prefix cache."""
 
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"  # sha256 | sha256_cbor | builtin
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.92
-    cpu_kv_cache_fraction: float = 0.25  # share of free RAM for the KV cache on CPU
-    num_gpu_blocks_override: int | None = None
+    block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse cached prompt blocks"))
+    prefix_caching_hash_algo: str = field(
+        default="sha256", metadata=_flag("block hash", choices=_choices(HASH_FUNCTIONS))
+    )
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata=_flag("KV cache size per worker rank (4GiB, 512M, ...)", type=parse_size),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.92, metadata=_flag("share of GPU memory for weights, activations and KV")
+    )
+    cpu_kv_cache_fraction: float = field(
+        default=0.25, metadata=_flag("share of free RAM given to the KV cache on CPU")
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=_flag("KV cache blocks, instead of measuring the memory")
+    )
     kv_cache_dtype: str = "auto"
-    kv_cache_metrics: bool = False
-    kv_cache_metrics_sample: float = 0.01
+    kv_cache_metrics: bool = field(
+        default=False, metadata=_flag("sample block lifetimes for the kv_block_* metrics")
+    )
+    kv_cache_metrics_sample: float = field(
+        default=0.01, metadata=_flag("share of blocks --kv-cache-metrics samples")
+    )
 
 
 @dataclass
 class SchedulerConfig:
     """Continuous batching: budgets per step and admission policy."""
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = field(default=256, metadata=_flag("most requests running at once"))
     # None: 512 on CPU, 2048 on GPU (see EngineConfig.finalize)
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0: no cap on one request's chunk
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    max_model_len: int = 0  # filled in from the model at start-up
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_flag(
+            "token budget of one step (default: 512 on CPU, 2048 on GPU)", type=parse_token_count
+        ),
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_flag("split long prompts over several steps")
+    )
+    long_prefill_token_threshold: int = field(
+        default=0, metadata=_flag("most tokens of one request per step (0: no cap)")
+    )
+    scheduling_policy: str = field(
+        default="fcfs", metadata=_flag("admission order", choices=_choices(REQUEST_QUEUES))
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_flag(
+            "longest request, prompt + output (default: the model's; resolved at start-up)",
+            type=parse_token_count,
+        ),
+    )
 
     @property
     def token_budget(self) -> int:
@@ -155,10 +241,26 @@ class SchedulerConfig:
 class WorkerConfig:
     """Where and how the model runs."""
 
-    device: str = "auto"  # auto | cpu | cuda
-    worker_backend: str = "torch"  # torch | sim
-    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
-    num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
+    device: str = field(
+        default="auto", metadata=_flag("auto: CUDA if torch sees a GPU", choices=DEVICES)
+    )
+    worker_backend: str = field(
+        default="torch",
+        metadata=_flag(
+            "what runs each step (services/gpu_worker/registry.py)",
+            choices=_choices(WORKER_BACKENDS),
+        ),
+    )
+    attention_backend: str | None = field(
+        default=None,
+        metadata=_flag(
+            "default: triton on CUDA, torch on CPU", choices=_choices(ATTENTION_BACKENDS)
+        ),
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata=_flag("torch threads per worker rank on CPU (default: cores / ranks)"),
+    )
 
     def resolved_device(self) -> str:
         """ "cpu" or "cuda": ``device``, with "auto" meaning CUDA when torch sees a GPU."""
@@ -170,32 +272,112 @@ class WorkerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split over worker ranks (torch.distributed: NCCL on CUDA, gloo on CPU).
+
+    Rank r of the ``world_size = tensor_parallel_size`` workers is TP rank r; the
+    engine core broadcasts each StepPlan to every rank and takes the StepResult of
+    rank 0 (vLLM's output rank).
+    """
+
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_flag("worker ranks that split every layer (Megatron-style)", aliases=("-tp",)),
+    )
+    master_addr: str = field(
+        default="127.0.0.1", metadata=_flag("address of rank 0's torch.distributed store")
+    )
+    master_port: int | None = field(
+        default=None, metadata=_flag("port of that store (default: a free one)")
+    )
+    distributed_timeout: float = field(
+        default=120.0,
+        metadata=_flag(
+            "seconds the ranks wait for each other, to form the group or in a collective"
+        ),
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.distributed_timeout <= 0:
+            raise ConfigError("--distributed-timeout must be positive")
+
+    def check_fits(self, arch: ModelArchConfig, device: str) -> None:
+        """The split must divide the model's heads and MLP, and the ranks must find devices."""
+        tp = self.tensor_parallel_size
+        heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        if heads % tp:
+            raise ConfigError(
+                f"Total number of attention heads ({heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
+        # vLLM's rule: KV heads are split when there are at least as many as ranks,
+        # else each is replicated on tp / num_kv_heads ranks.
+        if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+            raise ConfigError(
+                f"the model's {kv_heads} KV heads can be neither split over nor replicated "
+                f"on {tp} tensor-parallel ranks; use a size that divides {kv_heads} or that "
+                f"{kv_heads} divides"
+            )
+        if arch.intermediate_size % tp:
+            raise ConfigError(
+                f"the MLP width ({arch.intermediate_size}) must be divisible by tensor "
+                f"parallel size ({tp})"
+            )
+        if self.world_size == 1:
+            return
+        if device == "cuda":
+            import torch
+
+            if self.world_size > torch.cuda.device_count():
+                raise ConfigError(
+                    f"{self.world_size} worker ranks need {self.world_size} GPUs; torch sees "
+                    f"{torch.cuda.device_count()}"
+                )
+        elif self.world_size > (os.cpu_count() or 1):
+            logger.warning(
+                "%d worker ranks on %d CPU cores: each rank gets one thread and they share "
+                "cores, so this is a test of the code path, not a speed-up",
+                self.world_size,
+                os.cpu_count(),
+            )
+
+
+_SECTIONS = ("model", "cache", "scheduler", "worker", "parallel")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from vLLM-style keyword names (``max_num_seqs=...``); unknown names are errors."""
         cfg = cls()
-        sections: list[Any] = [cfg.model, cfg.cache, cfg.scheduler, cfg.worker]
+        owner = {f.name: getattr(cfg, s) for s in _SECTIONS for f in fields(getattr(cfg, s))}
         for key, value in kwargs.items():
-            for section in sections:
-                if key in {f.name for f in dataclasses.fields(section)}:
-                    setattr(section, key, value)
-                    break
-            else:
+            if key not in owner:
                 raise ConfigError(f"unknown engine argument {key!r}")
+            setattr(owner[key], key, value)
         cfg.validate()
         return cfg
 
-    @staticmethod
-    def flag_names() -> set[str]:
+    @classmethod
+    def flag_names(cls) -> set[str]:
         """Every engine argument name (the CLI's ``--max-num-seqs`` is ``max_num_seqs``)."""
-        sections = (ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig)
-        return {f.name for s in sections for f in dataclasses.fields(s)}
+        cfg = cls()
+        return {f.name for s in _SECTIONS for f in fields(getattr(cfg, s))}
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
@@ -205,14 +387,17 @@ class EngineConfig:
         )
 
     def validate(self) -> None:
-        c, s, m = self.cache, self.scheduler, self.model
+        c, s, m, w = self.cache, self.scheduler, self.model, self.worker
         if c.block_size < 1 or c.block_size & (c.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {c.block_size}")
-        if c.prefix_caching_hash_algo not in ("sha256", "sha256_cbor", "builtin"):
-            raise ConfigError(
-                f"--prefix-caching-hash-algo must be sha256, sha256_cbor or builtin, "
-                f"got {c.prefix_caching_hash_algo!r}"
-            )
+        _check_choice("--prefix-caching-hash-algo", c.prefix_caching_hash_algo, HASH_FUNCTIONS)
+        _check_choice("--scheduling-policy", s.scheduling_policy, REQUEST_QUEUES)
+        _check_choice("--dtype", m.dtype, DTYPES)
+        _check_choice("--load-format", m.load_format, LOAD_FORMATS)
+        _check_choice("--device", w.device, DEVICES)
+        _check_choice("--worker-backend", w.worker_backend, WORKER_BACKENDS)
+        if w.attention_backend is not None:
+            _check_choice("--attention-backend", w.attention_backend, ATTENTION_BACKENDS)
         if not (0.0 < c.gpu_memory_utilization <= 1.0):
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}"
@@ -233,37 +418,19 @@ class EngineConfig:
             )
         if s.long_prefill_token_threshold < 0:
             raise ConfigError("--long-prefill-token-threshold must be non-negative")
-        if s.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError(
-                f"--scheduling-policy must be fcfs or priority, got {s.scheduling_policy!r}"
-            )
-        if m.dtype not in (
-            "auto",
-            "float32",
-            "float16",
-            "bfloat16",
-            "half",
-            "float",
-            "bf16",
-            "fp16",
-        ):
-            raise ConfigError(
-                f"--dtype must be auto, float32, float16 or bfloat16, got {m.dtype!r}"
-            )
-        if m.load_format not in ("auto", "gguf", "safetensors", "dummy"):
-            raise ConfigError(
-                f"--load-format must be auto, gguf, safetensors or dummy, got {m.load_format!r}"
-            )
-        if m.max_model_len is not None and m.max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be at least 1, got {m.max_model_len}")
+        if s.max_model_len is not None and s.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be at least 1, got {s.max_model_len}")
+        if w.num_threads is not None and w.num_threads < 1:
+            raise ConfigError(f"--num-threads must be at least 1, got {w.num_threads}")
+        self.parallel.validate()
 
     def finalize(self, arch: ModelArchConfig) -> None:
         """Fill in what depends on the model (max_model_len) and check budgets against it."""
-        m, s = self.model, self.scheduler
+        s = self.scheduler
         derived = arch.derived_max_model_len
-        if m.max_model_len is None:
-            m.max_model_len = derived
-        elif m.max_model_len > derived:
+        if s.max_model_len is None:
+            s.max_model_len = derived
+        elif s.max_model_len > derived:
             why = (
                 f"the sliding window ({arch.sliding_window}), which this engine does not "
                 "implement, so positions past it would be wrong"
@@ -271,104 +438,55 @@ class EngineConfig:
                 else f"the model's max_position_embeddings ({derived})"
             )
             raise ConfigError(
-                f"--max-model-len {m.max_model_len} is greater than {why}; "
+                f"--max-model-len {s.max_model_len} is greater than {why}; "
                 f"use --max-model-len {derived} or less"
             )
-        s.max_model_len = m.max_model_len
+        device = self.worker.resolved_device()
         if s.max_num_batched_tokens is None:
             # The budget is the knob between TTFT and ITL: every running request waits for
             # the whole step. A CPU computes ~1k prompt tokens/s, already at full matmul
             # speed at 512 tokens a step, so a bigger step only makes decodes wait longer
             # (2048 tokens ~3 s here) and admits prompts in bigger, later bursts.
-            default = 512 if self.worker.resolved_device() == "cpu" else 2048
+            default = 512 if device == "cpu" else 2048
             s.max_num_batched_tokens = (
-                default if s.enable_chunked_prefill else max(default, m.max_model_len)
+                default if s.enable_chunked_prefill else max(default, s.max_model_len)
             )
-        if not s.enable_chunked_prefill and s.max_num_batched_tokens < m.max_model_len:
+        if not s.enable_chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ConfigError(
                 f"--max-num-batched-tokens ({s.max_num_batched_tokens}) is smaller than "
-                f"--max-model-len ({m.max_model_len}) with chunked prefill disabled: "
+                f"--max-model-len ({s.max_model_len}) with chunked prefill disabled: "
                 "a long prompt could never be scheduled; raise it or enable chunked prefill"
             )
+        self.parallel.check_fits(arch, device)
 
 
-def parse_size(text: str) -> int:
-    """'4096', '4k', '1.5G', '256MiB' -> integer (k/M/G are powers of 1024 as vLLM's parser)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
-
-
-def parse_token_count(text: str) -> int:
-    """'8192', '32k', '1m' (k = 1000 as vLLM's --max-model-len parser; 'K' = 1024)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
-    scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20, "g": 10**9, "G": 1 << 30}
-    return int(float(m.group(1)) * scale[m.group(2)])
+def _check_choice(flag: str, value: object, choices: Any) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags, same names and meanings. Defaults live in the dataclasses."""
-    bool_flag = argparse.BooleanOptionalAction
-    g = parser.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        dest="model",
-        default=None,
-        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--dtype", default=None, help="auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"
-    )
-    g.add_argument(
-        "--load-format", default=None, help="auto, gguf, safetensors or dummy (random weights)"
-    )
-    g.add_argument("--max-model-len", type=parse_token_count, default=None)
-    g.add_argument("--seed", type=int, default=None)
-
-    g = parser.add_argument_group("cache")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=bool_flag, default=None)
-    g.add_argument("--prefix-caching-hash-algo", default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument(
-        "--cpu-kv-cache-fraction",
-        type=float,
-        default=None,
-        help="share of free RAM given to the KV cache on CPU (default 0.25)",
-    )
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--kv-cache-metrics", action=bool_flag, default=None)
-    g.add_argument("--kv-cache-metrics-sample", type=float, default=None)
-
-    g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=parse_token_count,
-        default=None,
-        help="token budget of one step (default: 512 on CPU, 2048 on GPU)",
-    )
-    g.add_argument("--enable-chunked-prefill", action=bool_flag, default=None)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
-
-    g = parser.add_argument_group("worker")
-    g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
-    g.add_argument("--worker-backend", default=None)
-    g.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=["torch", "triton"],
-        help="default: triton on CUDA, torch on CPU",
-    )
-    g.add_argument(
-        "--num-threads", type=int, default=None, help="torch threads in the worker (CPU)"
-    )
+    """vLLM's engine flags, same names and meanings, made from the dataclass fields that
+    carry ``_flag`` metadata. Every default is None ("not given"): the dataclasses hold
+    the real defaults, shown in the help."""
+    cfg = EngineConfig()
+    for section in _SECTIONS:
+        obj = getattr(cfg, section)
+        group = parser.add_argument_group(section, type(obj).__doc__.splitlines()[0])
+        for f in fields(obj):
+            spec = f.metadata.get("flag")
+            if spec is None:
+                continue
+            spec = dict(spec)
+            names = [f"--{f.name.replace('_', '-')}", *spec.pop("aliases", ())]
+            default = getattr(obj, f.name)
+            if default is not None and "default" not in spec["help"]:
+                spec["help"] += f" (default: {default})"
+            if str(f.type).startswith("bool"):
+                spec["action"] = argparse.BooleanOptionalAction
+            elif "type" not in spec and "choices" not in spec:
+                spec["type"] = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            group.add_argument(*names, dest=f.name, default=None, **spec)
 
 
 @dataclass

@@ -4,8 +4,12 @@
 vLLM's offline API does: every prompt is added to the scheduler at once and the
 batch runs with continuous batching (requests join and leave the running batch
 step by step), not one prompt after another. Used by ``actorserve generate``,
-batch jobs and tests; the server runs the same Scheduler and ModelRunner in
-separate processes.
+batch jobs and tests.
+
+It drives the same ``EngineCore`` as the server's scheduler process and checks
+requests with the same ``RequestProcessor`` as the server's tokenizers, so a rule
+holds in both. One rank runs in this process (``UniprocExecutor``); with
+``tensor_parallel_size`` > 1 the ranks are child processes (``close()`` ends them).
 """
 
 from __future__ import annotations
@@ -13,19 +17,27 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from services.config import EngineConfig, ModelArchConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
-from services.gpu_worker.model_runner import ModelRunner
 from services.logging_utils import init_logger
 from services.model_loader import load_hf_config, load_tokenizer, prepare_model
-from services.protocol import RequestTokens, SamplingParams, TokenLogprobs
-from services.scheduler.capacity import check_kv_capacity
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from services.protocol import (
+    GenerateRequest,
+    RequestError,
+    RequestTokens,
+    SamplingParams,
+    TokenLogprobs,
+    choice_params,
+)
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.executor import Executor, UniprocExecutor
 from services.tokenizer.chat_template import render_chat
+from services.tokenizer.processor import RequestProcessor
+
+if TYPE_CHECKING:
+    from launch.workers import LocalWorkerRanks
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -81,14 +93,19 @@ class LLM:
         self.config.finalize(arch)
         self.arch = arch
         self.tokenizer = load_tokenizer(folder)
-        self._vocab_size = self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.runner = ModelRunner(self.config, folder)
-        num_blocks = self.runner.determine_num_blocks()
-        check_kv_capacity(
-            num_blocks, self.config.cache.block_size, self.config.scheduler.max_model_len, logger
-        )
-        self.runner.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks)
+        assert self.config.scheduler.max_model_len is not None
+        self.processor = RequestProcessor(self.tokenizer, self.config.scheduler.max_model_len)
+        self._ranks: LocalWorkerRanks | None = None
+        executor: Executor
+        if self.config.parallel.world_size == 1:
+            executor = UniprocExecutor(self.config, folder)
+        else:
+            from launch.workers import LocalWorkerRanks
+
+            self._ranks = LocalWorkerRanks(self.config, folder)
+            executor = self._ranks.executor
+        self.core = EngineCore(self.config, executor)
+        self.scheduler = self.core.scheduler
         self._ids = itertools.count()
         # Called after every step; tests use it to check the block pool's integrity.
         self.step_hook: Callable[[], None] | None = None
@@ -113,32 +130,43 @@ class LLM:
         sequences: dict[str, _Sequence] = {}
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             sp.validate()
-            if (bad := sp.out_of_vocab_token(self._vocab_size)) is not None:
-                raise ValueError(f"token id {bad[1]} in {bad[0]} is out of vocabulary")
-            token_ids = self._encode(prompt)
-            result = RequestOutput(
-                request_id=str(next(self._ids)),
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=token_ids,
-                outputs=[],
-                prompt_logprobs=None if sp.prompt_logprobs is None else [None],
-            )
-            results.append(result)
+            request_id = str(next(self._ids))
+            text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
             for index in range(sp.n):
-                seq_params = self._child_params(sp, index)
-                req_id = f"{result.request_id}-{index}" if sp.n > 1 else result.request_id
-                self._add_request(req_id, token_ids, seq_params, priority[i] if priority else 0)
+                req_id = f"{request_id}-{index}" if sp.n > 1 else request_id
+                checked = self.processor.process(
+                    GenerateRequest(
+                        req_id,
+                        choice_params(sp, index),
+                        prompt=text,
+                        prompt_token_ids=token_ids,
+                        priority=priority[i] if priority else 0,
+                    )
+                )
+                if isinstance(checked, RequestError):
+                    raise ValueError(checked.message)
+                tokenized, spec = checked
+                if index == 0:
+                    result = RequestOutput(
+                        request_id=request_id,
+                        prompt=text,
+                        prompt_token_ids=tokenized.prompt_token_ids,
+                        outputs=[],
+                        prompt_logprobs=None if sp.prompt_logprobs is None else [None],
+                    )
+                    results.append(result)
+                self.core.add_request(tokenized)
                 sequences[req_id] = _Sequence(
                     parent=result,
                     index=index,
                     detokenizer=IncrementalDetokenizer(
                         self.tokenizer.tokenizer,
-                        skip_special_tokens=seq_params.skip_special_tokens,
-                        stop=list(seq_params.stop),
-                        include_stop_str_in_output=seq_params.include_stop_str_in_output,
-                        prompt_token_ids=token_ids,
+                        skip_special_tokens=spec.sampling.skip_special_tokens,
+                        stop=list(spec.sampling.stop),
+                        include_stop_str_in_output=spec.sampling.include_stop_str_in_output,
+                        prompt_token_ids=tokenized.prompt_token_ids,
                     ),
-                    logprobs=[] if seq_params.logprobs is not None else None,
+                    logprobs=[] if spec.sampling.logprobs is not None else None,
                 )
         while sequences:
             for item in self.step():
@@ -167,52 +195,28 @@ class LLM:
 
     def step(self) -> list[RequestTokens]:
         """Run one engine step: schedule, execute, update. Returns each request's new tokens."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_req_ids:
-            # Nothing to compute (e.g. only aborts to report): the update still flushes them.
-            return self.scheduler.update_from_output(plan, None)
-        result = self.runner.execute(plan)
-        items = self.scheduler.update_from_output(plan, result)
+        _, items = self.core.step()
         if self.step_hook is not None:
             self.step_hook()
         return items
 
+    def close(self) -> None:
+        """End the worker ranks' processes, if any (a single rank needs nothing)."""
+        ranks = getattr(self, "_ranks", None)  # None too when __init__ failed early
+        if ranks is not None:
+            ranks.close()
+            self._ranks = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ internals
-
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.arch.vocab_size
-            if any(not (0 <= t < vocab) for t in token_ids):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        return token_ids
-
-    def _add_request(
-        self, req_id: str, token_ids: list[int], sp: SamplingParams, priority: int
-    ) -> None:
-        max_len = self.config.scheduler.max_model_len
-        if sp.max_tokens is None:
-            sp.max_tokens = max(1, max_len - len(token_ids))
-        sp.bad_words_token_ids = self.tokenizer.bad_words_token_ids(sp.bad_words)
-        if len(token_ids) + sp.max_tokens > max_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_len} tokens. However, you "
-                f"requested {len(token_ids) + sp.max_tokens} tokens ({len(token_ids)} in the "
-                f"prompt, {sp.max_tokens} in the completion)."
-            )
-        self.scheduler.add_request(
-            Request(
-                req_id=req_id,
-                prompt_token_ids=token_ids,
-                sampling_params=sp,
-                eos_token_id=self.tokenizer.eos_token_id,
-                priority=priority,
-            )
-        )
 
     def _collect(self, item: RequestTokens, sequences: dict[str, _Sequence]) -> None:
         seq = sequences.get(item.req_id)
@@ -228,7 +232,7 @@ class LLM:
         finish_reason, stop_reason = item.finish_reason, item.stop_reason
         if finish_reason is None and seq.detokenizer.stop_matched is not None:
             # A stop string ends the request: free its blocks now.
-            self.scheduler.finish_requests([item.req_id], "stop")
+            self.core.finish_requests([item.req_id], "stop", None)
             finish_reason, stop_reason = "stop", seq.detokenizer.stop_matched
         if finish_reason is None:
             return
@@ -260,9 +264,3 @@ class LLM:
                 "pass one, or one per prompt"
             )
         return list(sampling_params)
-
-    @staticmethod
-    def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
-        """A copy per sequence; with n > 1 and a seed, sequence i uses seed + i (as vLLM)."""
-        seed = sp.seed + index if (sp.seed is not None and sp.n > 1) else sp.seed
-        return msgspec.structs.replace(sp, n=1, seed=seed)

@@ -108,6 +108,13 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
         return self.temperature < 1e-5 or self.top_k == 1
 
 
+def choice_params(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of choice ``index`` of an ``n``-choice request: one sequence each,
+    and with a seed, choice i uses seed + i (as vLLM), so choices differ but repeat."""
+    seed = None if sampling.seed is None else sampling.seed + index
+    return msgspec.structs.replace(sampling, n=1, seed=seed)
+
+
 # ---------------------------------------------------------------- scheduler -> worker
 
 
@@ -197,7 +204,6 @@ class StepResult(msgspec.Struct, **_STRUCT):
     req_ids: list[str] = []
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
-    forward_time_s: float = 0.0
     prompt_logprobs: list[PromptLogprobs] = []
 
 
@@ -474,8 +480,10 @@ class KVEventBatch(msgspec.Struct, **_STRUCT):
 
 
 class Ready(msgspec.Struct, **_STRUCT):
-    """A child process is up and bound; a worker also reports the KV blocks it can hold."""
+    """A child process is up and bound; a worker also reports its rank and the KV blocks
+    it can hold."""
 
     role: str
     pid: int
     num_blocks: int = 0
+    rank: int = 0

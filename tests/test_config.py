@@ -62,4 +62,4 @@ def test_max_model_len_from_the_model(extra: dict, given: int | None, expected) 
             config.finalize(arch)
         return
     config.finalize(arch)
-    assert config.model.max_model_len == config.scheduler.max_model_len == expected
+    assert config.scheduler.max_model_len == expected

@@ -27,7 +27,7 @@ from services.protocol import (
     TokenizeResult,
     TokenizerInput,
 )
-from services.scheduler.service import EngineCore
+from services.scheduler.service import EngineCoreProc
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_duplicate_id_in_a_group_leaves_the_other_request_alone(endpoints):
 
 def test_scheduler_input_thread_survives_a_bad_frame():
     with ipc_dir() as d:
-        core = EngineCore.__new__(EngineCore)  # only the input thread's state
+        core = EngineCoreProc.__new__(EngineCoreProc)  # only the input thread's state
         core._input_endpoint = d.endpoint("core")
         core._bound = threading.Event()
         core._inputs = queue.SimpleQueue()

@@ -177,7 +177,7 @@ def test_kill9_worker_fails_requests_and_stops_server(make_server) -> None:
     watcher.join(10)
     assert code not in (None, 0), server.log
     assert 503 in health, health
-    assert "worker process died" in server.log
+    assert "worker rank 0 process died" in server.log
     _assert_all_gone(server, 5)
 
 
@@ -217,5 +217,5 @@ def test_child_death_during_startup_fails_fast(make_server) -> None:
     server = make_server()
     os.kill(_wait_for_child(server, "worker"), signal.SIGKILL)
     assert server.wait_exit(60) == 1, server.log
-    assert "worker process exited with code -9 during start-up" in server.log
+    assert "worker rank 0 process exited with code -9 during start-up" in server.log
     _assert_all_gone(server, 5)

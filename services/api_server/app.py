@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -44,7 +43,7 @@ from services.api_server.protocol import (
 from services.metrics.process_metrics import api_requests
 from services.metrics.registry import render_latest
 from services.protocol import DetokenizeRequest as EngineDetokenizeRequest
-from services.protocol import GenerateRequest, SamplingParams, TokenizeRequest
+from services.protocol import GenerateRequest, SamplingParams, TokenizeRequest, choice_params
 
 VERSION = "0.1.0"
 
@@ -130,9 +129,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         reqs = []
         for p in range(ctx.num_prompts):
             for i in range(ctx.n):
-                seed = None if sampling.seed is None else sampling.seed + i
-                sub = msgspec.structs.replace(sampling, n=1, seed=seed)
-                reqs.append(make(f"{base_id}-{p * ctx.n + i}", sub, p))
+                reqs.append(make(f"{base_id}-{p * ctx.n + i}", choice_params(sampling, i), p))
         return reqs
 
     async def respond(

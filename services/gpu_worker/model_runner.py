@@ -9,15 +9,16 @@ Lifecycle: ``ModelRunner(config, folder)`` loads the weights;
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from services.config import EngineConfig, ModelArchConfig
+from services.config import DTYPES, EngineConfig, ModelArchConfig
 from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attention_backend
+from services.gpu_worker.base import WorkerBackend
+from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState
 from services.gpu_worker.input_batch import CachedRequestState, InputBatch
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
@@ -26,12 +27,6 @@ from services.protocol import PromptLogprobs, StepPlan, StepResult, TokenLogprob
 
 # Prompt logprobs score this many positions at a time: [rows, vocab] fp32 logits stay small.
 _PROMPT_LOGPROBS_ROWS = 256
-
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}  # fmt: skip
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,7 +40,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    return getattr(torch, DTYPES[name])  # type: ignore[no-any-return]
 
 
 def _available_ram_bytes() -> int:
@@ -56,8 +51,9 @@ def _available_ram_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable line; set --kv-cache-memory-bytes")
 
 
-class ModelRunner:
-    """Owns the model, the KV cache and the persistent batch of one worker rank.
+class ModelRunner(WorkerBackend):
+    """Owns the model, the KV cache and the persistent batch of one worker rank
+    (``--worker-backend torch``); with tensor parallelism, its shard of each.
 
     ``execute(plan)`` follows ``StepPlan``'s contract: drop ``finished_req_ids``, add
     ``new_requests``, apply ``running`` deltas, compute ``num_scheduled_tokens[i]``
@@ -72,6 +68,7 @@ class ModelRunner:
         self,
         config: EngineConfig,
         folder: Path | None,
+        parallel: ParallelState = SINGLE_RANK,
         *,
         arch: ModelArchConfig | None = None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -80,10 +77,11 @@ class ModelRunner:
         self.device = resolve_device(config.worker.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         if self.device.type == "cpu":
-            # --num-threads wins; else an explicit OMP_NUM_THREADS (as in tests); else all cores.
+            # --num-threads wins; else an explicit OMP_NUM_THREADS (as in tests); else the
+            # cores shared out between the ranks.
             threads = config.worker.num_threads
             if threads is None and "OMP_NUM_THREADS" not in os.environ:
-                threads = os.cpu_count() or 1
+                threads = max(1, (os.cpu_count() or 1) // parallel.world_size)
             if threads is not None:
                 torch.set_num_threads(threads)
         if config.cache.kv_cache_dtype != "auto":
@@ -102,7 +100,9 @@ class ModelRunner:
             else:
                 weights = iter_weights(folder, self.dtype)
         self.arch = arch
-        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        self.parallel = parallel
+        self.num_kv_heads = HeadShard.of(arch, parallel).num_kv_heads  # this rank's
+        self.max_model_len = config.scheduler.max_model_len or arch.derived_max_model_len
         backend_name = config.worker.attention_backend or (
             "triton" if self.device.type == "cuda" else "torch"
         )
@@ -115,7 +115,10 @@ class ModelRunner:
         # throw-away random init of large models.
         with torch.device("meta"):
             model = LlamaForCausalLM(
-                arch, self.attn_backend, max(self.max_model_len, arch.max_position_embeddings)
+                arch,
+                self.attn_backend,
+                max(self.max_model_len, arch.max_position_embeddings),
+                parallel,
             )
         self.model = model.to(self.dtype).to_empty(device=self.device).eval()
         self.model.load_weights(weights)
@@ -131,7 +134,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return 2 * a.num_hidden_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """KV cache blocks that fit the memory budget (``--num-gpu-blocks-override`` wins)."""
@@ -186,7 +189,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
-        shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         self.kv_caches = []
         # On CPU, empty (fresh, untouched pages) so RAM is committed only as blocks fill;
         # backends never read a slot before it is written (see AttentionBackend).
@@ -199,7 +202,6 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     def execute(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
         batch = self.input_batch
         for req_id in plan.finished_req_ids:
             batch.remove(req_id)
@@ -243,7 +245,6 @@ class ModelRunner:
             if not sample_states:
                 return StepResult(
                     step_id=plan.step_id,
-                    forward_time_s=time.perf_counter() - start,
                     prompt_logprobs=prompt_logprobs,
                 )
             logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
@@ -256,7 +257,6 @@ class ModelRunner:
             req_ids=[s.req_id for s in sample_states],
             sampled_token_ids=sampled.tolist(),
             logprobs=_to_token_logprobs(out, sample_states),
-            forward_time_s=time.perf_counter() - start,
             prompt_logprobs=prompt_logprobs,
         )
 

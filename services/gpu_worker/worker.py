@@ -1,9 +1,11 @@
-"""The worker process: one per rank; owns the model and the KV cache, runs StepPlans.
+"""The worker process: one per rank; owns its shard of the model and of the KV cache.
 
-Start-up: load the model, measure how many KV blocks fit the memory budget,
-allocate them, subscribe to step plans, then report READY with that number
-(the launcher hands it to the scheduler). Loop: receive a StepPlan, execute it,
-and (rank 0) push the StepResult back to the scheduler.
+Start-up: join the torch.distributed group (when there is more than one rank),
+build the ``--worker-backend`` (load the model shard), measure how many KV blocks
+fit this rank's memory budget, allocate them, subscribe to step plans, then
+report READY with that number (the launcher gives the scheduler the minimum over
+ranks). Loop: receive a StepPlan, execute it, and (the output rank) push the
+StepResult back to the scheduler.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import time
 from pathlib import Path
 
 from services.config import ServeConfig
-from services.gpu_worker.model_runner import ModelRunner
+from services.gpu_worker.base import WorkerBackend
+from services.gpu_worker.distributed import init_distributed
+from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
 from services.ipc import PushSocket, SubSocket, report_ready
 from services.logging_utils import init_logger
 from services.metrics.process_metrics import worker_forward_time
@@ -25,22 +29,34 @@ logger = init_logger(__name__)
 def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0) -> None:
     """Process entry point. A capacity error (not even one request fits) ends it with ConfigError."""
     engine = config.engine
-    runner = ModelRunner(engine, Path(config.model_folder))
-    num_blocks = runner.determine_num_blocks()
-    check_kv_capacity(num_blocks, engine.cache.block_size, engine.scheduler.max_model_len, logger)
-    runner.initialize_kv_cache(num_blocks)
+    parallel = init_distributed(engine.parallel, rank, engine.worker.resolved_device())
+    backend = load_backend(
+        WORKER_BACKENDS, "worker backend", engine.worker.worker_backend, WorkerBackend
+    )
+    worker: WorkerBackend = backend(engine, Path(config.model_folder), parallel)
+    num_blocks = worker.determine_num_blocks()
+    assert engine.scheduler.max_model_len is not None
+    check_kv_capacity(
+        num_blocks,
+        engine.cache.block_size,
+        engine.scheduler.max_model_len,
+        logger if parallel.rank == 0 else None,
+    )
+    worker.initialize_kv_cache(num_blocks)
     plans = SubSocket[StepPlan](config.endpoints.step_plans, StepPlan)
     results = (
-        PushSocket[StepResult](config.endpoints.step_results, StepResult) if rank == 0 else None
+        PushSocket[StepResult](config.endpoints.step_results, StepResult)
+        if parallel.is_output_rank
+        else None
     )
-    forward_time = worker_forward_time(config)
-    report_ready(control_endpoint, "worker", num_blocks)
+    forward_time = worker_forward_time(config, rank)
+    report_ready(control_endpoint, "worker", num_blocks, rank)
     while True:
         plan = plans.recv()
         if plan is None:
             continue
         start = time.perf_counter()
-        result = runner.execute(plan)
+        result = worker.execute(plan)
         forward_time.observe(time.perf_counter() - start)
         if results is not None:
             results.send(result)

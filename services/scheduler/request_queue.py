@@ -84,9 +84,15 @@ class PriorityQueue:
         return (e[3] for e in self._heap)
 
 
+# --scheduling-policy: one queue class per policy.
+REQUEST_QUEUES: dict[str, type[FCFSQueue] | type[PriorityQueue]] = {
+    "fcfs": FCFSQueue,
+    "priority": PriorityQueue,
+}
+
+
 def create_request_queue(policy: str) -> RequestQueue:
-    if policy == "fcfs":
-        return FCFSQueue()
-    if policy == "priority":
-        return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}")
+    try:
+        return REQUEST_QUEUES[policy]()
+    except KeyError:
+        raise ValueError(f"unknown scheduling policy {policy!r}") from None

@@ -2,9 +2,9 @@
 
 One thread owns the input socket and turns arriving messages (new requests,
 aborts, stop-string finishes) into a queue; the busy loop drains that queue
-each step and blocks on it only when there is no work at all. Each step:
-schedule -> publish the StepPlan to every worker rank -> wait for rank 0's
-StepResult -> update -> push the step's tokens to the detokenizer in one batch.
+each step and blocks on it only when there is no work at all. Each step is the
+``EngineCore``'s (schedule -> the executor runs the plan on every worker rank ->
+update), then the step's tokens go to the detokenizer in one batch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import msgspec
 
 from services.config import ServeConfig
-from services.ipc import PubSocket, PullSocket, PushSocket, XPubSocket, report_ready
+from services.ipc import PubSocket, PullSocket, PushSocket, report_ready
 from services.logging_utils import init_logger
 from services.metrics.engine_core import EngineCoreMetrics
 from services.protocol import (
@@ -26,13 +26,11 @@ from services.protocol import (
     FinishRequest,
     KVEventBatch,
     RequestTokens,
-    StepPlan,
-    StepResult,
     TokenBatch,
     TokenizedRequest,
 )
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.executor import MultiprocExecutor
 
 logger = init_logger(__name__)
 
@@ -40,32 +38,33 @@ logger = init_logger(__name__)
 _EARLY_ABORTS_KEPT = 4096
 
 
-class EngineCore:
-    """The busy loop around a ``Scheduler``; its sockets are owned by the calling thread."""
+class EngineCoreProc:
+    """The scheduler process: an ``EngineCore`` over a ``MultiprocExecutor``, fed by
+    an input thread and followed by the detokenizer. Its sockets belong to the
+    calling thread (the input socket to the input thread)."""
 
-    def __init__(self, config: ServeConfig, num_worker_ranks: int = 1) -> None:
+    def __init__(self, config: ServeConfig) -> None:
         ep = config.endpoints
-        self.scheduler = Scheduler(
-            config.engine.scheduler,
-            config.engine.cache,
-            config.num_blocks,
-            enable_kv_cache_events=ep.kv_events is not None,
+        engine = config.engine
+        self.executor = MultiprocExecutor(
+            ep.step_plans, ep.step_results, engine.parallel.world_size, config.num_blocks
         )
+        self.core = EngineCore(
+            engine, self.executor, enable_kv_cache_events=ep.kv_events is not None
+        )
+        self.scheduler = self.core.scheduler
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._early_aborts: dict[str, None] = {}
-        self._plans = XPubSocket[StepPlan](ep.step_plans, StepPlan, bind=True)
-        self._results = PullSocket[StepResult](ep.step_results, StepResult, bind=True)
         self._detok = PushSocket[TokenBatch](ep.detok_tokens, TokenBatch)
         self._kv_events = (
             PubSocket[KVEventBatch](ep.kv_events, KVEventBatch, bind=True) if ep.kv_events else None
         )
         self._kv_event_seq = 0
         self.metrics = EngineCoreMetrics(config, self.scheduler, logger)
-        self.metrics.loop.count_sent_bytes(self._plans, "step_plans")
+        self.metrics.loop.count_sent_bytes(self.executor.plans_socket, "step_plans")
         self.metrics.loop.count_sent_bytes(self._detok, "detok_tokens")
         self._input_endpoint = ep.engine_core
         self._bound = threading.Event()
-        self._num_worker_ranks = num_worker_ranks
         # ACTORSERVE_LOGGING_LEVEL=DEBUG turns on the idle-time integrity check of the KV cache.
         self._debug = logger.isEnabledFor(logging.DEBUG)
         threading.Thread(target=self._input_loop, name="scheduler-input", daemon=True).start()
@@ -87,19 +86,16 @@ class EngineCore:
         """Block until the input socket is bound and every worker rank subscribed to plans."""
         if not self._bound.wait(timeout_s):
             raise RuntimeError("the scheduler's input socket did not bind")
-        if not self._plans.wait_for_subscribers(self._num_worker_ranks, timeout_s):
-            raise RuntimeError("the worker ranks did not subscribe to step plans in time")
+        self.executor.wait_ready(timeout_s)
 
     # ------------------------------------------------------------------ loop
 
     def run_forever(self) -> None:
-        sched = self.scheduler
         while True:
-            idle = not sched.has_unfinished_requests() and not sched.has_finished_requests()
-            if idle:
+            if not self.core.has_work():
                 if self._debug:
                     # Idle is the one moment the whole pool must add up: check it.
-                    sched.check_integrity()
+                    self.scheduler.check_integrity()
                 msg = self.metrics.wait_idle(self._inputs)  # flushes gauges, logs stats when due
                 if msg is None:
                     continue
@@ -122,54 +118,37 @@ class EngineCore:
                 self._detok.send(TokenBatch([RequestTokens(msg.req_id, [], "abort")]))
                 return
             try:
-                sched.add_request(Request.from_tokenized(msg))
+                self.core.add_request(msg)
             except ValueError as e:
                 logger.warning("rejected request %s: %s", msg.req_id, e)
                 self._detok.send(TokenBatch([RequestTokens(msg.req_id, [], "error")]))
         elif isinstance(msg, Abort):
             unknown = [r for r in msg.req_ids if r not in sched.requests]
-            sched.abort_requests(msg.req_ids)
+            self.core.abort_requests(msg.req_ids)
             for req_id in unknown:
                 self._early_aborts[req_id] = None
             while len(self._early_aborts) > _EARLY_ABORTS_KEPT:
                 self._early_aborts.pop(next(iter(self._early_aborts)))
         elif isinstance(msg, FinishRequest):
-            sched.finish_requests([msg.req_id], msg.finish_reason, msg.stop_reason)
+            self.core.finish_requests([msg.req_id], msg.finish_reason, msg.stop_reason)
 
     def step(self) -> None:
-        """One engine step; a plan with nothing to compute still tells the workers what finished."""
         start = time.perf_counter()
-        sched = self.scheduler
-        plan = sched.schedule()
-        worker_s = 0.0
-        if plan.is_empty and not plan.finished_req_ids:
-            result = StepResult(plan.step_id)
-        else:
-            self._plans.send(plan)
-            sent = time.perf_counter()
-            result = self._wait_result(plan.step_id)
-            worker_s = time.perf_counter() - sent
-        items = sched.update_from_output(plan, result)
+        plan, items = self.core.step()
         if items:
             self._detok.send(TokenBatch(items))
         if self._kv_events is not None:
-            events = sched.take_events()
+            events = self.scheduler.take_events()
             if events:
                 self._kv_events.send(KVEventBatch(time.time(), events, self._kv_event_seq))
                 self._kv_event_seq += 1
-        self.metrics.on_step(plan, items, time.perf_counter() - start - worker_s)
-
-    def _wait_result(self, step_id: int) -> StepResult:
-        while True:
-            result = self._results.recv()
-            if result is not None and result.step_id == step_id:
-                return result
-            logger.error("dropping a stale step result (%s, expected %d)", result, step_id)
+        busy_s = time.perf_counter() - start - self.core.last_execute_s
+        self.metrics.on_step(plan, items, busy_s)
 
 
 def run_scheduler(config: ServeConfig, control_endpoint: str) -> None:
     """Process entry point: bind, wait for the workers, report READY, loop forever."""
-    core = EngineCore(config)
+    core = EngineCoreProc(config)
     core.wait_ready()
     report_ready(control_endpoint, "scheduler")
     core.run_forever()

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.gpu_worker.distributed import ParallelState
+
 # oneDNN's fp32 inner-product kernel (what torch.compile emits for CPU linears), on a
 # weight reordered once into its blocked layout, beats MKL's sgemm behind F.linear
 # 1.1-1.6x at decode's small token counts (bench/RESULTS.md). Private ops, so
@@ -140,6 +142,31 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocabulary rows are split over the TP ranks.
+
+    The vocabulary is padded to ``tp_size * num_rows``; rank r holds rows
+    ``[r * num_rows, (r + 1) * num_rows)``. A lookup outside them gives zeros, and the
+    all-reduce sums each token's one non-zero row. ``weight`` keeps nn.Embedding's name.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.num_rows = -(-vocab_size // parallel.tp_size)
+        self.start = parallel.tp_rank * self.num_rows
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.parallel.all_reduce(out)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,13 @@ shared by the layers, its cos/sin rows gathered once per step.
 ``forward`` runs a flattened varlen batch (prefill chunks and decode tokens mixed)
 and returns the final-normed hidden states; ``compute_logits`` projects only the
 rows that are sampled.
+
+Tensor parallelism is Megatron's, as in vLLM: ``qkv_proj`` and ``gate_up_proj`` are
+column-parallel (each rank holds its heads and its slice of the MLP), ``o_proj`` and
+``down_proj`` row-parallel, each followed by one all-reduce; the embedding and the
+LM head are split by vocabulary rows (``VocabParallelEmbedding``), and the logits are
+all-gathered, so every rank samples the same token from the same full logits. The
+checkpoint is full-size: ``load_weights`` cuts each rank's slice.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from torch import nn
 
 from services.config import ModelArchConfig
 from services.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache
+from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState
 from services.gpu_worker.model.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    VocabParallelEmbedding,
     linear,
     pack_linear_weight,
     silu_and_mul,
@@ -45,9 +54,12 @@ class LlamaAttention(nn.Module):
         arch: ModelArchConfig,
         attn_backend: type[AttentionBackend],
         rotary_emb: RotaryEmbedding,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.parallel = parallel
+        self.heads = HeadShard.of(arch, parallel)
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -84,18 +96,19 @@ class LlamaAttention(nn.Module):
         qk = self.rotary_emb(qk, *cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn.forward(q, k, v, kv_cache, attn_meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.parallel = parallel
+        self.intermediate_size = arch.intermediate_size // parallel.tp_size  # this rank's
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.parallel.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,10 +117,11 @@ class LlamaDecoderLayer(nn.Module):
         arch: ModelArchConfig,
         attn_backend: type[AttentionBackend],
         rotary_emb: RotaryEmbedding,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, attn_backend, rotary_emb)
-        self.mlp = LlamaMLP(arch)
+        self.self_attn = LlamaAttention(arch, attn_backend, rotary_emb, parallel)
+        self.mlp = LlamaMLP(arch, parallel)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -130,15 +144,19 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, attn_backend: type[AttentionBackend], max_positions: int
+        self,
+        arch: ModelArchConfig,
+        attn_backend: type[AttentionBackend],
+        max_positions: int,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel)
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attn_backend, self.rotary_emb)
+            LlamaDecoderLayer(arch, attn_backend, self.rotary_emb, parallel)
             for _ in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -173,14 +191,19 @@ class LlamaForCausalLM(nn.Module):
         arch: ModelArchConfig,
         attn_backend: type[AttentionBackend],
         max_positions: int | None = None,
+        parallel: ParallelState = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, attn_backend, max_positions or arch.max_position_embeddings)
+        self.parallel = parallel
+        self.model = LlamaModel(
+            arch, attn_backend, max_positions or arch.max_position_embeddings, parallel
+        )
+        embed = self.model.embed_tokens
         self.lm_head = (
             None
             if arch.tie_word_embeddings
-            else Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            else Linear(arch.hidden_size, embed.num_rows, bias=False)
         )
         self._tied_lm_head: torch.Tensor | None = None  # packed embedding, when tied
 
@@ -195,8 +218,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.model.embed_tokens.weight, packed=self._tied_lm_head).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.model.embed_tokens.weight, packed=self._tied_lm_head)
+        if self.parallel.tp_size == 1:
+            return logits.float()
+        # Each rank's padded vocabulary slice, gathered in rank order; drop the padding.
+        return self.parallel.all_gather(logits)[:, : self.arch.vocab_size].float()
 
     def process_weights_after_loading(self) -> None:
         """Repack every linear weight (and the tied LM head) for the CPU kernels."""
@@ -223,9 +251,15 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {hf_name!r} matches no model parameter")
+            tensor = self._rank_slice(hf_name, tensor)
             target = param.data
             if shard is not None:
                 target = target.narrow(0, *self._shard_range(name, shard))
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                # The last rank's vocabulary slice is padded: zero rows never win a logit
+                # that survives the gather's cut.
+                target[tensor.shape[0] :].zero_()
+                target = target.narrow(0, 0, tensor.shape[0])
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -238,6 +272,32 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.process_weights_after_loading()
+
+    def _rank_slice(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of a full checkpoint tensor (the whole one for TP 1)."""
+        p = self.parallel
+        if p.tp_size == 1:
+            return tensor
+        attn = self.model.layers[0].self_attn
+        mlp = self.model.layers[0].mlp
+        assert isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
+        heads, d = attn.heads, attn.head_dim
+        width = mlp.intermediate_size
+        if ".q_proj." in hf_name:
+            return tensor.narrow(0, heads.q_start * d, heads.num_heads * d)
+        if ".k_proj." in hf_name or ".v_proj." in hf_name:
+            return tensor.narrow(0, heads.kv_start * d, heads.num_kv_heads * d)
+        if ".o_proj." in hf_name:
+            return tensor.narrow(1, heads.q_start * d, heads.num_heads * d)
+        if ".gate_proj." in hf_name or ".up_proj." in hf_name:
+            return tensor.narrow(0, p.tp_rank * width, width)
+        if ".down_proj." in hf_name:
+            return tensor.narrow(1, p.tp_rank * width, width)
+        if hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = self.model.embed_tokens.num_rows
+            start = p.tp_rank * rows
+            return tensor.narrow(0, start, max(0, min(rows, tensor.shape[0] - start)))
+        return tensor  # norms: replicated
 
     def _shard_range(self, name: str, shard: str | int) -> tuple[int, int]:
         layer = self.model.layers[int(name.split(".")[2])]

@@ -1,0 +1,98 @@
+"""Worker ranks as child processes: started by the server's launcher, or by the offline
+engine itself when it has more than one rank (``LocalWorkerRanks``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+
+from launch.child import CONTROL_ENV
+from launch.process import Child, ProcessGroup
+from services.config import Endpoints, EngineConfig, ParallelConfig, ServeConfig
+from services.ipc import IpcDir, PullSocket
+from services.protocol import Ready
+from services.scheduler.executor import MultiprocExecutor
+
+_POLL_MS = 200
+
+
+def resolve_master_port(parallel: ParallelConfig) -> None:
+    """Pick a free port on ``--master-addr`` for the ranks' rendezvous, unless one was given."""
+    if parallel.world_size > 1 and parallel.master_port is None:
+        with socket.socket() as s:
+            s.bind((parallel.master_addr, 0))
+            parallel.master_port = int(s.getsockname()[1])
+
+
+def start_worker_ranks(
+    group: ProcessGroup, config: ServeConfig, env: dict[str, str]
+) -> list[Child]:
+    """``python -m launch.child worker RANK`` for every rank of the configuration."""
+    payload = msgspec.json.encode(config)
+    return [
+        group.start(f"worker rank {rank}", "launch.child", payload, env, args=("worker", str(rank)))
+        for rank in range(config.engine.parallel.world_size)
+    ]
+
+
+def missing_ranks(ready: list[Ready], world_size: int) -> list[int]:
+    return sorted(set(range(world_size)) - {r.rank for r in ready})
+
+
+class LocalWorkerRanks:
+    """The offline engine's worker ranks: child processes, a ``MultiprocExecutor`` to
+    reach them, and ``close()`` that leaves none behind."""
+
+    def __init__(self, config: EngineConfig, folder: Path, timeout_s: float = 900.0) -> None:
+        self.ipc = IpcDir()
+        endpoints = Endpoints(
+            step_plans=self.ipc.endpoint("step_plans"),
+            step_results=self.ipc.endpoint("step_results"),
+            control=self.ipc.endpoint("control"),
+        )
+        resolve_master_port(config.parallel)
+        serve_config = ServeConfig(engine=config, endpoints=endpoints, model_folder=str(folder))
+        self.group = ProcessGroup()
+        world = config.parallel.world_size
+        control = PullSocket[Ready](endpoints.control, Ready, bind=True)
+        try:
+            start_worker_ranks(self.group, serve_config, {CONTROL_ENV: endpoints.control})
+            ready: list[Ready] = []
+            deadline = time.monotonic() + timeout_s
+            while len(ready) < world:
+                if (dead := self.dead_rank()) is not None:
+                    raise RuntimeError(f"{dead} during start-up (its error is above)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"worker ranks {missing_ranks(ready, world)} did not start in time"
+                    )
+                if (msg := control.recv(timeout_ms=_POLL_MS)) is not None:
+                    ready.append(msg)
+            self.executor = MultiprocExecutor(
+                endpoints.step_plans,
+                endpoints.step_results,
+                world,
+                min(r.num_blocks for r in ready),
+                is_alive=self.dead_rank,
+            )
+            self.executor.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            control.close()
+
+    def dead_rank(self) -> str | None:
+        dead = self.group.first_dead()
+        if dead is None:
+            return None
+        return f"the {dead.name} process exited with code {dead.popen.returncode}"
+
+    def close(self) -> None:
+        if hasattr(self, "executor"):
+            self.executor.shutdown()
+        self.group.stop_all()
+        self.ipc.cleanup()

@@ -1,0 +1,39 @@
+"""The contract of a worker backend: what one worker rank does with StepPlans.
+
+Backends register by name in ``services/gpu_worker/registry.py``
+(``--worker-backend``). The same object serves a rank in a worker process
+(``worker.py``) and the single rank of the offline engine (``UniprocExecutor``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from services.config import EngineConfig
+from services.gpu_worker.distributed import ParallelState
+from services.protocol import StepPlan, StepResult
+
+
+class WorkerBackend(ABC):
+    """One worker rank: the model shard (or its stand-in), its KV cache, its persistent batch.
+
+    Lifecycle: construct (load weights) -> ``determine_num_blocks()`` (what fits this
+    rank's memory budget; the engine takes the minimum over ranks) ->
+    ``initialize_kv_cache(num_blocks)`` -> ``execute(plan)`` per step, in step order.
+    Every rank executes every plan (collectives pair up across ranks); every rank
+    returns the same sampled tokens, and the engine reads the output rank's result.
+    """
+
+    @abstractmethod
+    def __init__(self, config: EngineConfig, folder: Path | None, parallel: ParallelState) -> None:
+        """Load what the rank needs; raise ``ConfigError`` for a user mistake."""
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int: ...
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
