@@ -77,6 +77,7 @@ class LocalWorkerRanks:
                 world,
                 min(r.num_blocks for r in ready),
                 is_alive=self.dead_rank,
+                max_in_flight=config.parallel.pipeline_parallel_size,
             )
             self.executor.wait_ready()
         except BaseException:

@@ -275,14 +275,23 @@ class WorkerConfig:
 class ParallelConfig:
     """How the model is split over worker ranks (torch.distributed: NCCL on CUDA, gloo on CPU).
 
-    Rank r of the ``world_size = tensor_parallel_size`` workers is TP rank r; the
-    engine core broadcasts each StepPlan to every rank and takes the StepResult of
-    rank 0 (vLLM's output rank).
+    ``world_size = tensor_parallel_size * pipeline_parallel_size`` workers; rank r is
+    TP rank ``r % tp`` of pipeline stage ``r // tp``. The engine core broadcasts each
+    StepPlan to every rank and takes the StepResult of TP rank 0 of the last stage
+    (vLLM's output rank).
     """
 
     tensor_parallel_size: int = field(
         default=1,
         metadata=_flag("worker ranks that split every layer (Megatron-style)", aliases=("-tp",)),
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=_flag("pipeline stages, each a consecutive run of layers", aliases=("-pp",)),
+    )
+    pp_layer_partition: str | None = field(
+        default=None,
+        metadata=_flag("layers per stage, e.g. 16,14 (default: as even as possible)"),
     )
     master_addr: str = field(
         default="127.0.0.1", metadata=_flag("address of rank 0's torch.distributed store")
@@ -299,12 +308,39 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
+        """Each pipeline stage's layers ``[start, end)``: ``--pp-layer-partition``, else an
+        even split whose remainder goes to the first stages (the last one also samples)."""
+        pp = self.pipeline_parallel_size
+        if self.pp_layer_partition is not None:
+            sizes = [int(x) for x in self.pp_layer_partition.split(",")]
+        else:
+            sizes = [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
+        if len(sizes) != pp or sum(sizes) != num_layers or min(sizes) < 1:
+            raise ConfigError(
+                f"--pp-layer-partition {self.pp_layer_partition} must give each of the {pp} "
+                f"stages at least one layer, {num_layers} in all"
+            )
+        starts = [sum(sizes[:i]) for i in range(pp)]
+        return [(a, a + n) for a, n in zip(starts, sizes, strict=True)]
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(
                 f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(
+                f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}"
+            )
+        if self.pp_layer_partition is not None and not re.fullmatch(
+            r"\d+(,\d+)*", self.pp_layer_partition
+        ):
+            raise ConfigError(
+                f"--pp-layer-partition must be comma-separated layer counts, got "
+                f"{self.pp_layer_partition!r}"
             )
         if self.distributed_timeout <= 0:
             raise ConfigError("--distributed-timeout must be positive")
@@ -331,6 +367,7 @@ class ParallelConfig:
                 f"the MLP width ({arch.intermediate_size}) must be divisible by tensor "
                 f"parallel size ({tp})"
             )
+        self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
         if self.world_size == 1:
             return
         if device == "cuda":

@@ -136,11 +136,17 @@ class NewRequest(msgspec.Struct, **_STRUCT):
 
 
 class RunningRequestDelta(msgspec.Struct, **_STRUCT):
-    """A request the worker already holds: blocks appended since the last step."""
+    """A request the worker already holds: blocks appended since the last step.
+
+    With pipeline parallelism ``new_token_ids`` are the tokens sampled since the request
+    was last scheduled (only the last stage samples; the others learn them here);
+    empty, and off the wire, otherwise.
+    """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, **_STRUCT):

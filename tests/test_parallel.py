@@ -1,10 +1,13 @@
-"""Tensor parallelism over torch.distributed (gloo on this CPU): the ranks are real
-processes, and a split model must give the tokens of the whole one.
+"""Tensor and pipeline parallelism over torch.distributed (gloo on this CPU): the ranks
+are real processes, and a split model must give the tokens of the whole one.
 
 - TP=3 on the default model (9 query heads, 3 KV heads: one KV head per rank), offline
   and through the server, against HF's greedy tokens.
 - TP=2 on a small random model with 4 query heads, 1 KV head (replicated on both ranks)
   and an odd vocabulary (the last rank's vocabulary slice is padded), against TP=1.
+- PP=2 on the default model, even (15/15) and uneven (16/14) layer splits, against HF;
+  the stages' step traces overlap (two micro-batches in flight, not alternating stages).
+- TP=2 x PP=2 (4 ranks) on the small model, against TP=1.
 - Sizes that do not fit the model are clear start-up errors; killing one rank under load
   ends every request with an error and leaves no process behind.
 """
@@ -87,6 +90,35 @@ def test_tp2_replicated_kv_head_and_padded_vocab_equal_tp1(small_model: Path) ->
     assert len({t for seq in one for t in seq}) > 3  # random weights, yet not degenerate
 
 
+def _trace(folder: Path, rank: int) -> list[tuple[float, float]]:
+    text = (folder / f"rank{rank}.json").read_text().rstrip().rstrip(",")
+    return [(e["ts"], e["ts"] + e["dur"]) for e in json.loads(text + "]")]
+
+
+@pytest.mark.parametrize("partition", [None, "16,14"], ids=["even", "uneven"])
+def test_pp2_offline_equals_hf_with_stages_busy_at_once(
+    partition, greedy_prompts, hf_greedy_tokens, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("ACTORSERVE_STEP_TRACE_DIR", str(tmp_path))  # the ranks inherit it
+    with LLM(
+        max_model_len=512, num_gpu_blocks_override=96, pipeline_parallel_size=2,
+        pp_layer_partition=partition, max_num_batched_tokens=64,
+    ) as llm:  # fmt: skip
+        assert _tokens(llm.generate(greedy_prompts, GREEDY)) == hf_greedy_tokens
+    first, last = _trace(tmp_path, 0), _trace(tmp_path, 1)
+    assert len(first) == len(last) > NUM_GREEDY_TOKENS  # every rank ran every plan
+    overlapping = sum(any(a < d and c < b for c, d in last) for a, b in first)
+    assert overlapping > len(first) // 4, f"{overlapping} of {len(first)} steps overlapped"
+
+
+def test_tp2_pp2_equals_tp1(small_model: Path) -> None:
+    prompts = [[1, 100, 200, 300], list(range(5, 120)), [49000, 7, 7, 7, 7, 7, 7]]
+    kwargs = {"model": str(small_model), "load_format": "dummy", "seed": 5, "max_model_len": 256}
+    one = _tokens(LLM(**kwargs).generate(prompts, GREEDY))
+    with LLM(tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY)) == one
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -94,6 +126,9 @@ def test_tp2_replicated_kv_head_and_padded_vocab_equal_tp1(small_model: Path) ->
         ({"tensor_parallel_size": 0}, "at least 1"),
         ({"worker_backend": "nope"}, "--worker-backend must be one of torch"),
         ({"attention_backend": "flash"}, "--attention-backend must be one of"),
+        ({"pipeline_parallel_size": 2, "pp_layer_partition": "20,20"}, "30 in all"),
+        ({"pipeline_parallel_size": 2, "pp_layer_partition": "30"}, "each of the 2 stages"),
+        ({"pp_layer_partition": "a,b"}, "comma-separated layer counts"),
     ],
 )
 def test_sizes_and_names_that_do_not_fit_are_config_errors(kwargs: dict, message: str) -> None:

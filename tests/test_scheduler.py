@@ -45,7 +45,10 @@ class SimWorker:
     table shows up as a mismatch.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, samples: bool = True) -> None:
+        # samples=False: a pipeline stage before the last, which learns the sampled
+        # tokens from the running deltas instead of sampling them.
+        self.samples = samples
         self.block_size = block_size
         self.kv: list[list[tuple[int, int] | None]] = [
             [None] * block_size for _ in range(num_blocks)
@@ -71,6 +74,8 @@ class SimWorker:
             assert state.num_computed_tokens == delta.num_computed_tokens
             assert 0 not in delta.new_block_ids
             state.block_ids.extend(delta.new_block_ids)
+            if not self.samples:
+                state.token_ids.extend(delta.new_token_ids)
             batch.append((delta.req_id, state))
         assert len(batch) == len(plan.num_scheduled_tokens)
         for (_, state), n in zip(batch, plan.num_scheduled_tokens, strict=True):
@@ -86,7 +91,7 @@ class SimWorker:
             for pos in range(state.num_computed_tokens):
                 slot = self.kv[state.block_ids[pos // bs]][pos % bs]
                 assert slot == self._slot(state.token_ids, pos), f"{req_id}: bad KV at {pos}"
-            if state.num_computed_tokens == len(state.token_ids):
+            if self.samples and state.num_computed_tokens == len(state.token_ids):
                 token = token_fn(req_id, len(state.token_ids))
                 state.token_ids.append(token)
                 result.req_ids.append(req_id)

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.config import CacheConfig, SchedulerConfig
-from services.protocol import SamplingParams
+from services.config import CacheConfig, EngineConfig, SchedulerConfig
+from services.protocol import SamplingParams, StepPlan, StepResult
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.executor import Executor
 from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
-from tests.test_scheduler import EOS, Run, SimWorker, step, token_fn
+from tests.test_scheduler import EOS, Run, SimWorker, token_fn
 
 MAX_MODEL_LEN = 32
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [5, 6, 7, 8, 20, 21, 22, 23]]
@@ -103,16 +104,46 @@ def workloads(draw) -> tuple[SchedulerConfig, CacheConfig, int, list[Spec]]:
     return sched_cfg, cache_cfg, num_blocks, specs
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_match_unlimited_memory(workload):
+class SimExecutor(Executor):
+    """The workers of a pipeline of stages, run in plan order as real stages do: the last
+    samples (``sampler``), an earlier one follows the sampled tokens from the plans."""
+
+    def __init__(self, num_blocks: int, block_size: int, depth: int) -> None:
+        self.num_blocks = num_blocks
+        self.max_in_flight = depth
+        self.sampler = SimWorker(num_blocks, block_size)
+        self.follower = SimWorker(num_blocks, block_size, samples=False) if depth > 1 else None
+        self.results: dict[int, StepResult] = {}
+
+    def submit(self, plan: StepPlan) -> None:
+        self.results[plan.step_id] = self.sampler.execute(plan)
+        if self.follower is not None:
+            self.follower.execute(plan)
+            for req_id, state in self.follower.reqs.items():
+                # The follower lacks at most the token the sampler has just drawn.
+                sampled = self.sampler.reqs[req_id].token_ids
+                assert state.token_ids == sampled[: len(state.token_ids)], req_id
+                assert len(sampled) - len(state.token_ids) <= 1, req_id
+
+    def collect(self, step_id: int) -> StepResult:
+        return self.results.pop(step_id)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.sampled_from([1, 1, 2, 3]))
+def test_random_workloads_match_unlimited_memory(workload, depth):
+    """Also with a pipeline of ``depth`` stages: plans in flight while the next are made."""
     sched_cfg, cache_cfg, num_blocks, specs = workload
-    sched = Scheduler(sched_cfg, cache_cfg, num_blocks, enable_kv_cache_events=True)
-    worker = SimWorker(num_blocks, cache_cfg.block_size)
+    config = EngineConfig(scheduler=sched_cfg, cache=cache_cfg)
+    config.parallel.pipeline_parallel_size = depth
+    core = EngineCore(
+        config, SimExecutor(num_blocks, cache_cfg.block_size, depth), enable_kv_cache_events=True
+    )
+    sched = core.scheduler
     run = Run()
     pending = sorted(specs, key=lambda s: s.arrival_step)
     step_no = 0
-    while pending or sched.has_unfinished_requests() or sched.has_finished_requests():
+    while pending or core.has_work():
         while pending and pending[0].arrival_step <= step_no:
             spec = pending.pop(0)
             params = SamplingParams(
@@ -133,7 +164,15 @@ def test_random_workloads_match_unlimited_memory(workload):
                 )
             )
         sched.abort_requests([s.req_id for s in specs if s.abort_step == step_no])
-        step(sched, worker, run)  # checks budget, max_num_seqs and integrity every step
+        plan, outputs = core.step()
+        assert plan.total_num_scheduled_tokens <= sched_cfg.token_budget
+        assert len(plan.num_scheduled_tokens) <= sched_cfg.max_num_seqs
+        for out in outputs:
+            assert out.req_id not in run.finish, f"{out.req_id}: output after its finish"
+            run.outputs.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                run.finish[out.req_id] = out.finish_reason
+        sched.check_integrity()
         sched.take_events()
         step_no += 1
         assert step_no < 3000, "no progress"

@@ -21,18 +21,43 @@ from services.config import ModelArchConfig, ParallelConfig
 @dataclass(frozen=True)
 class ParallelState:
     """This rank's coordinates: global ``rank`` of ``world_size``; its tensor-parallel
-    rank and group. ``group`` is None for a single rank (no collectives)."""
+    rank and group (None for one rank: no collectives); its pipeline stage and the
+    layers ``[layer_start, layer_end)`` that stage holds (None: all of them)."""
 
     rank: int = 0
     world_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
     group: Any = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    layers: tuple[int, int] | None = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def is_output_rank(self) -> bool:
-        """The rank whose StepResult the engine reads (vLLM's output rank: TP rank 0)."""
-        return self.tp_rank == 0
+        """The rank whose StepResult the engine reads (vLLM's output rank: TP rank 0 of
+        the last pipeline stage)."""
+        return self.tp_rank == 0 and self.is_last_stage
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """The rank this one receives hidden states from (same TP rank, previous stage)."""
+        return self.rank - self.tp_size
+
+    @property
+    def next_stage_rank(self) -> int:
+        return self.rank + self.tp_size
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        return self.layers if self.layers is not None else (0, num_layers)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the TP group, in place; returns it."""
@@ -79,8 +104,11 @@ class HeadShard:
         return cls(num_heads, num_kv, r * num_heads, kv_start)
 
 
-def init_distributed(parallel: ParallelConfig, rank: int, device: str) -> ParallelState:
-    """Join the group of ``parallel.world_size`` ranks (a no-op for one rank).
+def init_distributed(
+    parallel: ParallelConfig, rank: int, device: str, num_layers: int
+) -> ParallelState:
+    """Join the group of ``parallel.world_size`` ranks (a no-op for one rank) and make
+    one TP group per pipeline stage.
 
     Raises ``RuntimeError`` naming this rank, the address and the timeout when the group
     does not form in time (a rank that never started, or a wrong address)."""
@@ -105,10 +133,46 @@ def init_distributed(parallel: ParallelConfig, rank: int, device: str) -> Parall
             f"worker rank {rank}: the group of {world} ranks did not form at {address} "
             f"within {parallel.distributed_timeout:.0f} s ({e})"
         ) from None
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    group: Any = dist.group.WORLD
+    if pp > 1:
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        group = groups[rank // tp]
     return ParallelState(
         rank=rank,
         world_size=world,
-        tp_rank=rank % parallel.tensor_parallel_size,
-        tp_size=parallel.tensor_parallel_size,
-        group=dist.group.WORLD,
+        tp_rank=rank % tp,
+        tp_size=tp,
+        group=group,
+        pp_rank=rank // tp,
+        pp_size=pp,
+        layers=parallel.stage_layers(num_layers)[rank // tp],
     )
+
+
+class StageLink:
+    """Hands a pipeline stage's ``(hidden, residual)`` to the next stage, point to point
+    between the same TP rank of neighbouring stages.
+
+    ``send`` is asynchronous, so a stage moves on to the next micro-batch while the next
+    stage takes this one; it waits only for its previous send (one in flight). Both
+    sides know the shape from the StepPlan: [2, num_tokens, hidden_size].
+    """
+
+    def __init__(self, parallel: ParallelState, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        self.parallel = parallel
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self._in_flight: tuple[torch.Tensor, Any] | None = None
+
+    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = torch.empty(2, num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        dist.recv(buf, src=self.parallel.prev_stage_rank)
+        return buf[0], buf[1]
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        if self._in_flight is not None:
+            self._in_flight[1].wait()
+        buf = torch.stack([hidden, residual])
+        self._in_flight = (buf, dist.isend(buf, dst=self.parallel.next_stage_rank))

@@ -85,12 +85,18 @@ class InputBatch:
         self.requests[new.req_id] = state
         self._append_blocks(state, new.block_ids)
 
-    def update(self, delta: RunningRequestDelta) -> None:
+    def update(self, delta: RunningRequestDelta, take_tokens: bool = False) -> None:
+        """Apply a running request's delta; with ``take_tokens`` (a pipeline stage that
+        does not sample) also store the tokens sampled since this rank last saw it."""
         state = self.requests.get(delta.req_id)
         if state is None:
             raise ValueError(f"running request {delta.req_id!r} is not in the batch")
         state.num_computed_tokens = delta.num_computed_tokens
         self._append_blocks(state, delta.new_block_ids)
+        if take_tokens and delta.new_token_ids:
+            end = state.num_tokens + len(delta.new_token_ids)
+            self.token_ids[state.row, state.num_tokens : end] = delta.new_token_ids
+            state.num_tokens = end
 
     def remove(self, req_id: str) -> None:
         # Unknown ids are fine: a request may finish before the worker ever saw it.

@@ -18,7 +18,7 @@ import torch
 from services.config import DTYPES, EngineConfig, ModelArchConfig
 from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attention_backend
 from services.gpu_worker.base import WorkerBackend
-from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState
+from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState, StageLink
 from services.gpu_worker.input_batch import CachedRequestState, InputBatch
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
@@ -122,6 +122,8 @@ class ModelRunner(WorkerBackend):
             )
         self.model = model.to(self.dtype).to_empty(device=self.device).eval()
         self.model.load_weights(weights)
+        self.num_layers = len(self.model.model.layers)  # this pipeline stage's
+        self.link = StageLink(parallel, arch.hidden_size, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.input_batch = InputBatch(
             config.scheduler.max_num_seqs, self.max_model_len, self.block_size, self.device
@@ -134,7 +136,7 @@ class ModelRunner(WorkerBackend):
     def kv_cache_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """KV cache blocks that fit the memory budget (``--num-gpu-blocks-override`` wins)."""
@@ -171,13 +173,16 @@ class ModelRunner(WorkerBackend):
             self.device,
         )
         with torch.inference_mode():
-            hidden = self.model(
+            zeros = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype)
+            out = self.model(
                 torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                 torch.arange(num_tokens, device=self.device),
                 meta,
                 self.kv_caches,
+                None if self.parallel.is_first_stage else (zeros.to(self.device),) * 2,
             )
-            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+            if not isinstance(out, tuple):
+                self.model.compute_logits(out[-self.config.scheduler.max_num_seqs :])
         torch.cuda.synchronize(self.device)
         kv_profile = blocks * self.kv_cache_bytes_per_block()
         peak = torch.cuda.max_memory_allocated(self.device) - kv_profile
@@ -194,7 +199,7 @@ class ModelRunner(WorkerBackend):
         # On CPU, empty (fresh, untouched pages) so RAM is committed only as blocks fill;
         # backends never read a slot before it is written (see AttentionBackend).
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
-        for _ in range(a.num_hidden_layers):
+        for _ in range(self.num_layers):
             kv = alloc(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((kv[0], kv[1]))
         self.num_blocks = num_blocks
@@ -208,7 +213,8 @@ class ModelRunner(WorkerBackend):
         for new in plan.new_requests:
             batch.add(new)
         for delta in plan.running:
-            batch.update(delta)
+            # Only the last stage samples; the others learn the tokens from the plan.
+            batch.update(delta, take_tokens=not self.parallel.is_last_stage)
         if plan.is_empty:
             return StepResult(step_id=plan.step_id)
         req_ids = [r.req_id for r in plan.new_requests] + [r.req_id for r in plan.running]
@@ -235,12 +241,18 @@ class ModelRunner(WorkerBackend):
         sample_states = [states[i] for i in sampling]
         last_token = np.cumsum(scheduled)[sampling] - 1
         with torch.inference_mode():
-            hidden = self.model(
+            p = self.parallel
+            out = self.model(
                 input_ids.long(),
                 torch.from_numpy(positions).to(self.device),
                 attn_meta,
                 self.kv_caches,
+                None if p.is_first_stage else self.link.recv(len(positions)),
             )
+            if isinstance(out, tuple):  # a stage before the last
+                self.link.send(*out)
+                return StepResult(step_id=plan.step_id)
+            hidden = out
             prompt_logprobs = self._prompt_logprobs(hidden, states, computed, scheduled)
             if not sample_states:
                 return StepResult(

@@ -10,16 +10,19 @@ StepResult back to the scheduler.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
-from services.config import ServeConfig
+from services.config import ModelArchConfig, ServeConfig
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed
 from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
 from services.ipc import PushSocket, SubSocket, report_ready
 from services.logging_utils import init_logger
 from services.metrics.process_metrics import worker_forward_time
+from services.model_loader import load_hf_config
 from services.protocol import StepPlan, StepResult
 from services.scheduler.capacity import check_kv_capacity
 
@@ -29,11 +32,15 @@ logger = init_logger(__name__)
 def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0) -> None:
     """Process entry point. A capacity error (not even one request fits) ends it with ConfigError."""
     engine = config.engine
-    parallel = init_distributed(engine.parallel, rank, engine.worker.resolved_device())
+    folder = Path(config.model_folder)
+    arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
+    parallel = init_distributed(
+        engine.parallel, rank, engine.worker.resolved_device(), arch.num_hidden_layers
+    )
     backend = load_backend(
         WORKER_BACKENDS, "worker backend", engine.worker.worker_backend, WorkerBackend
     )
-    worker: WorkerBackend = backend(engine, Path(config.model_folder), parallel)
+    worker: WorkerBackend = backend(engine, folder, parallel)
     num_blocks = worker.determine_num_blocks()
     assert engine.scheduler.max_model_len is not None
     check_kv_capacity(
@@ -50,6 +57,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0) -> Non
         else None
     )
     forward_time = worker_forward_time(config, rank)
+    trace = StepTrace.from_env(rank)
     report_ready(control_endpoint, "worker", num_blocks, rank)
     while True:
         plan = plans.recv()
@@ -57,6 +65,40 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0) -> Non
             continue
         start = time.perf_counter()
         result = worker.execute(plan)
-        forward_time.observe(time.perf_counter() - start)
+        end = time.perf_counter()
+        forward_time.observe(end - start)
+        if trace is not None:
+            trace.record(plan, start, end)
         if results is not None:
             results.send(result)
+
+
+class StepTrace:
+    """``ACTORSERVE_STEP_TRACE_DIR=DIR``: each rank appends one Chrome trace event per step
+    to ``DIR/rank{r}.json`` (open it in Perfetto or chrome://tracing; the array's closing
+    bracket is optional in that format). It shows when each rank was busy, e.g. both
+    pipeline stages at once."""
+
+    ENV = "ACTORSERVE_STEP_TRACE_DIR"
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.rank = rank
+        self._file = path.open("w", buffering=1)
+        self._file.write("[\n")
+
+    @classmethod
+    def from_env(cls, rank: int) -> StepTrace | None:
+        folder = os.environ.get(cls.ENV)
+        return cls(Path(folder) / f"rank{rank}.json", rank) if folder else None
+
+    def record(self, plan: StepPlan, start: float, end: float) -> None:
+        event = {
+            "name": f"step {plan.step_id}",
+            "ph": "X",
+            "ts": start * 1e6,
+            "dur": (end - start) * 1e6,
+            "pid": 0,
+            "tid": self.rank,
+            "args": {"tokens": plan.total_num_scheduled_tokens},
+        }
+        self._file.write(json.dumps(event) + ",\n")

@@ -8,9 +8,10 @@ admission rules, the step and the bookkeeping after it exist once.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from services.config import EngineConfig
-from services.protocol import RequestTokens, StepPlan, StepResult, TokenizedRequest
+from services.protocol import RequestTokens, StepPlan, TokenizedRequest
 from services.scheduler.executor import Executor
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
@@ -33,8 +34,10 @@ class EngineCore:
             config.cache,
             executor.num_blocks,
             enable_kv_cache_events=enable_kv_cache_events,
+            pipeline_depth=config.parallel.pipeline_parallel_size,
         )
-        self.last_execute_s = 0.0  # the workers' share of the last step, for metrics
+        self.last_execute_s = 0.0  # the wait for the workers in the last step, for metrics
+        self._in_flight: deque[StepPlan] = deque()  # submitted, result not yet taken in
 
     def add_request(self, request: TokenizedRequest) -> None:
         """Queue a request; ``ValueError`` for a duplicate id or a bad length."""
@@ -47,17 +50,29 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, reason, stop_reason)
 
     def has_work(self) -> bool:
-        """Requests to run, or finishes the workers or the output side have not heard of."""
+        """Requests to run, plans in flight, or finishes the workers or the output side
+        have not heard of."""
         s = self.scheduler
-        return s.has_unfinished_requests() or s.has_finished_requests()
+        return bool(self._in_flight) or s.has_unfinished_requests() or s.has_finished_requests()
 
     def step(self) -> tuple[StepPlan, list[RequestTokens]]:
-        """One step. A plan with nothing to compute still tells the workers what finished."""
-        plan = self.scheduler.schedule()
-        result: StepResult | None = None
+        """One step: submit plans until ``max_in_flight`` are out (vLLM's batch queue: with
+        pipeline parallelism each stage works on its own micro-batch), then take in the
+        oldest one's result. A plan with nothing to compute still tells the workers what
+        finished; one with nothing at all is not sent."""
         self.last_execute_s = 0.0
-        if not plan.is_empty or plan.finished_req_ids:
+        while len(self._in_flight) < self.executor.max_in_flight:
+            plan = self.scheduler.schedule()
+            if plan.is_empty and not plan.finished_req_ids:
+                if not self._in_flight:
+                    return plan, self.scheduler.update_from_output(plan, None)
+                break  # nothing new to start: wait for the oldest plan instead
             start = time.perf_counter()
-            result = self.executor.execute(plan)
-            self.last_execute_s = time.perf_counter() - start
+            self.executor.submit(plan)  # runs the plan in place with one in-process rank
+            self.last_execute_s += time.perf_counter() - start
+            self._in_flight.append(plan)
+        plan = self._in_flight.popleft()
+        start = time.perf_counter()
+        result = self.executor.collect(plan.step_id)
+        self.last_execute_s += time.perf_counter() - start
         return plan, self.scheduler.update_from_output(plan, result)

@@ -33,12 +33,24 @@ class WorkerDied(RuntimeError):
 
 class Executor(ABC):
     """Runs every StepPlan on every worker rank, in order, and returns the output rank's
-    StepResult. ``num_blocks`` is the KV cache blocks every rank can hold."""
+    StepResult. ``num_blocks`` is the KV cache blocks every rank can hold.
+
+    ``max_in_flight`` plans may be submitted before the oldest result is collected
+    (the pipeline's depth: one per stage); ``collect`` returns results in plan order.
+    """
 
     num_blocks: int
+    max_in_flight: int = 1
 
     @abstractmethod
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def submit(self, plan: StepPlan) -> None: ...
+
+    @abstractmethod
+    def collect(self, step_id: int) -> StepResult: ...
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.submit(plan)
+        return self.collect(plan.step_id)
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release the ranks (the default has nothing to release)."""
@@ -63,9 +75,15 @@ class UniprocExecutor(Executor):
             self.num_blocks, config.cache.block_size, config.scheduler.max_model_len, logger
         )
         self.worker.initialize_kv_cache(self.num_blocks)
+        self._result: StepResult | None = None
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        return self.worker.execute(plan)  # type: ignore[no-any-return]
+    def submit(self, plan: StepPlan) -> None:
+        self._result = self.worker.execute(plan)
+
+    def collect(self, step_id: int) -> StepResult:
+        result, self._result = self._result, None
+        assert result is not None and result.step_id == step_id
+        return result
 
 
 class MultiprocExecutor(Executor):
@@ -84,9 +102,11 @@ class MultiprocExecutor(Executor):
         num_ranks: int,
         num_blocks: int,
         is_alive: Callable[[], str | None] | None = None,
+        max_in_flight: int = 1,
     ) -> None:
         self.num_ranks = num_ranks
         self.num_blocks = num_blocks
+        self.max_in_flight = max_in_flight
         self._plans = XPubSocket[StepPlan](plans_endpoint, StepPlan, bind=True)
         self._results = PullSocket[StepResult](results_endpoint, StepResult, bind=True)
         self._is_alive = is_alive
@@ -101,8 +121,10 @@ class MultiprocExecutor(Executor):
                 f"the {self.num_ranks} worker ranks did not subscribe to step plans in time"
             )
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> None:
         self._plans.send(plan)
+
+    def collect(self, step_id: int) -> StepResult:
         while True:
             result = self._results.recv(timeout_ms=_POLL_MS)
             if result is None:
@@ -110,9 +132,9 @@ class MultiprocExecutor(Executor):
                 if dead is not None:
                     raise WorkerDied(dead)
                 continue
-            if result.step_id == plan.step_id:
+            if result.step_id == step_id:
                 return result
-            logger.error("dropping a stale step result (%s, expected %d)", result, plan.step_id)
+            logger.error("dropping a stale step result (%s, expected %d)", result, step_id)
 
     def shutdown(self) -> None:
         self._plans.close()

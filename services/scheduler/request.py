@@ -80,6 +80,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_tokens_at_workers = 0  # known tokens as of the last plan that scheduled it
+        self.admitted_step_id = -1  # the plan that last moved it from waiting to running
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

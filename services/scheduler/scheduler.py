@@ -50,9 +50,18 @@ class Scheduler:
     then latest) is preempted and recomputed later; a step that preempts
     admits no waiting request.
 
-    The engine calls ``schedule`` -> run the plan -> ``update_from_output``
-    strictly in turn: a request's next token is only scheduled once the
-    token it sampled has come back. ``max_model_len`` 0 means no length limit.
+    A request's next token is only scheduled once the token it sampled has come
+    back, but ``schedule`` may be called again before the last plan's
+    ``update_from_output`` (pipeline parallelism keeps several plans in flight):
+    the next plan then takes other requests, or later prefill chunks of the same
+    ones. Results must be given back in plan order. Workers run plans in order, so
+    KV blocks freed or reused by a later plan are never read by an earlier one.
+    With ``pipeline_depth`` d > 1 (one plan in flight per pipeline stage) each
+    running delta carries the tokens sampled since the request was last scheduled
+    (for the stages that do not sample), and one plan takes at most 1/d of the
+    running requests, so the stages get micro-batches of similar size instead of one
+    full batch and d - 1 idle stages (what vLLM v0's virtual engines did).
+    ``max_model_len`` None or 0 means no length limit.
     """
 
     def __init__(
@@ -62,8 +71,10 @@ class Scheduler:
         num_blocks: int,
         *,
         enable_kv_cache_events: bool = False,
+        pipeline_depth: int = 1,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.pipeline_depth = pipeline_depth
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len or sys.maxsize
         if scheduler_config.max_model_len:
@@ -92,6 +103,8 @@ class Scheduler:
         self._pending_outputs: list[RequestTokens] = []
         self._finished_requests: list[Request] = []
         self._next_step_id = 0
+        # step id -> the requests whose scheduled tokens reach their end (they sample)
+        self._sampling_by_step: dict[int, set[str]] = {}
         self.num_preemptions = 0
         self._last_preemption_log = -float("inf")
         self._last_step_num_tokens = 0
@@ -170,8 +183,9 @@ class Scheduler:
         # Running requests: decodes first, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        micro_batch = -(-len(self.running) // self.pipeline_depth)  # requests per plan
         for request in itertools.chain(decodes, prefills):
-            if token_budget == 0:
+            if token_budget == 0 or len(scheduled_running) >= micro_batch:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -221,6 +235,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            request.admitted_step_id = self._next_step_id
             request.record_event(RequestEventType.SCHEDULED)
             self.running.append(request)
             scheduled_new.append(request)
@@ -242,7 +257,12 @@ class Scheduler:
                 for r in scheduled_new
             ],
             running=[
-                RunningRequestDelta(r.req_id, new_block_ids[r.req_id], r.num_computed_tokens)
+                RunningRequestDelta(
+                    r.req_id,
+                    new_block_ids[r.req_id],
+                    r.num_computed_tokens,
+                    r.all_token_ids[r.num_tokens_at_workers :] if self.pipeline_depth > 1 else [],
+                )
                 for r in scheduled_running
             ],
             num_scheduled_tokens=[num_scheduled[r.req_id] for r in scheduled_new]
@@ -251,8 +271,14 @@ class Scheduler:
         )
         self._finished_req_ids.clear()
         self._next_step_id += 1
+        sampling: set[str] = set()
         for request in itertools.chain(scheduled_new, scheduled_running):
             request.num_computed_tokens += num_scheduled[request.req_id]
+            request.num_tokens_at_workers = request.num_tokens
+            if request.num_computed_tokens == request.num_tokens:
+                sampling.add(request.req_id)
+        if sampling:
+            self._sampling_by_step[plan.step_id] = sampling
         self._last_step_num_tokens = plan.total_num_scheduled_tokens
         return plan
 
@@ -300,6 +326,7 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for plan {plan.step_id}")
         outputs, self._pending_outputs = self._pending_outputs, []
+        expected = self._sampling_by_step.pop(plan.step_id, set())
         sampled = {req_id: i for i, req_id in enumerate(result.req_ids)}
         prompt_logprobs = {chunk.req_id: chunk for chunk in result.prompt_logprobs}
         now = time.monotonic()
@@ -309,13 +336,17 @@ class Scheduler:
         )
         for req_id in scheduled_ids:
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if (
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or request.admitted_step_id > plan.step_id  # preempted since, and resumed
+            ):
                 continue  # finished or aborted while the step ran
             self.kv_cache_manager.cache_blocks(request)
             if (chunk := prompt_logprobs.get(req_id)) is not None:
                 request.add_prompt_logprobs(chunk)
             i = sampled.get(req_id)
-            if request.num_computed_tokens < request.num_tokens:
+            if req_id not in expected:  # a prefill chunk short of the prompt's end
                 if i is not None:
                     logger.warning(
                         "step %d: ignoring a token sampled mid-prefill for %s", plan.step_id, req_id

@@ -47,7 +47,11 @@ class EngineCoreProc:
         ep = config.endpoints
         engine = config.engine
         self.executor = MultiprocExecutor(
-            ep.step_plans, ep.step_results, engine.parallel.world_size, config.num_blocks
+            ep.step_plans,
+            ep.step_results,
+            engine.parallel.world_size,
+            config.num_blocks,
+            max_in_flight=engine.parallel.pipeline_parallel_size,
         )
         self.core = EngineCore(
             engine, self.executor, enable_kv_cache_events=ep.kv_events is not None

@@ -144,6 +144,11 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+def vocab_rows(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rows per TP rank: the vocabulary padded to a multiple of the ranks."""
+    return -(-vocab_size // tp_size)
+
+
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose vocabulary rows are split over the TP ranks.
 
@@ -155,7 +160,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState) -> None:
         super().__init__()
         self.parallel = parallel
-        self.num_rows = -(-vocab_size // parallel.tp_size)
+        self.num_rows = vocab_rows(vocab_size, parallel.tp_size)
         self.start = parallel.tp_rank * self.num_rows
         self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
 

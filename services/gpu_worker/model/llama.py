@@ -16,6 +16,11 @@ column-parallel (each rank holds its heads and its slice of the MLP), ``o_proj``
 LM head are split by vocabulary rows (``VocabParallelEmbedding``), and the logits are
 all-gathered, so every rank samples the same token from the same full logits. The
 checkpoint is full-size: ``load_weights`` cuts each rank's slice.
+
+Pipeline parallelism: a stage holds a consecutive run of layers; the first also the
+embedding, the last the final norm and the LM head (and, with tied embeddings, the
+embedding it reuses). A stage that is not the last returns ``(hidden, residual)``
+for the next one, which takes them as ``intermediate``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ from services.gpu_worker.model.layers import (
     linear,
     pack_linear_weight,
     silu_and_mul,
+    vocab_rows,
 )
+
+# A pipeline stage's output for the next: (hidden, residual), each [T, H].
+IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 
 # (fused param, HF name, shard): HF's separate projections land in slices of the fused ones.
 _STACKED_PARAMS = (
@@ -151,15 +160,23 @@ class LlamaModel(nn.Module):
         parallel: ParallelState,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel)
+        needs_embedding = parallel.is_first_stage or (
+            parallel.is_last_stage and arch.tie_word_embeddings
+        )
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel)
+            if needs_embedding
+            else None
+        )
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
         )
+        self.layer_start, layer_end = parallel.layer_range(arch.num_hidden_layers)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, attn_backend, self.rotary_emb, parallel)
-            for _ in range(arch.num_hidden_layers)
+            for _ in range(self.layer_start, layer_end)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if parallel.is_last_stage else None
 
     def forward(
         self,
@@ -167,11 +184,19 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            assert self.embed_tokens is not None
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, attn_meta)
+        if self.norm is None:
+            assert residual is not None  # every stage has a layer
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -180,7 +205,9 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache.
 
     ``forward(input_ids[T], positions[T], attn_meta, kv_caches) -> hidden[T, H]``
-    (final-normed); ``compute_logits(hidden[N, H]) -> logits[N, vocab]`` in fp32;
+    (final-normed; on a stage before the last, ``(hidden, residual)``; a stage after the
+    first takes the previous one's as ``intermediate``);
+    ``compute_logits(hidden[N, H]) -> logits[N, vocab]`` in fp32 (last stage only);
     ``load_weights`` takes (HF name, tensor) pairs and raises ``ValueError`` on an
     unknown name or a parameter left unloaded; it then re-packs the linear weights
     for the CPU kernels (``process_weights_after_loading``).
@@ -199,11 +226,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(
             arch, attn_backend, max_positions or arch.max_position_embeddings, parallel
         )
-        embed = self.model.embed_tokens
         self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else Linear(arch.hidden_size, embed.num_rows, bias=False)
+            Linear(arch.hidden_size, vocab_rows(arch.vocab_size, parallel.tp_size), bias=False)
+            if parallel.is_last_stage and not arch.tie_word_embeddings
+            else None
         )
         self._tied_lm_head: torch.Tensor | None = None  # packed embedding, when tied
 
@@ -213,13 +239,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_meta, kv_caches)
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, attn_meta, kv_caches, intermediate)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
+            assert self.model.embed_tokens is not None
             logits = linear(hidden, self.model.embed_tokens.weight, packed=self._tied_lm_head)
         if self.parallel.tp_size == 1:
             return logits.float()
@@ -231,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        if self.lm_head is None:
+        if self.arch.tie_word_embeddings and self.model.embed_tokens is not None:
             self._tied_lm_head = pack_linear_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
@@ -242,7 +270,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             if hf_name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store the copy anyway
+                continue  # tied (some checkpoints store the copy anyway), or not the last stage
+            if not self._on_this_stage(hf_name):
+                continue
+            hf_name = self._local_layer_name(hf_name)
             name, shard = hf_name, None
             for fused, part, shard_id in _STACKED_PARAMS:
                 if f".{part}." in hf_name:
@@ -273,6 +304,24 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.process_weights_after_loading()
 
+    def _on_this_stage(self, hf_name: str) -> bool:
+        m = self.model
+        if hf_name.startswith("model.layers."):
+            return 0 <= int(hf_name.split(".")[2]) - m.layer_start < len(m.layers)
+        if hf_name == "model.embed_tokens.weight":
+            return m.embed_tokens is not None
+        if hf_name == "model.norm.weight":
+            return m.norm is not None
+        return True
+
+    def _local_layer_name(self, hf_name: str) -> str:
+        """``model.layers.{i}.…`` with i counted from this stage's first layer."""
+        if not hf_name.startswith("model.layers.") or not self.model.layer_start:
+            return hf_name
+        parts = hf_name.split(".")
+        parts[2] = str(int(parts[2]) - self.model.layer_start)
+        return ".".join(parts)
+
     def _rank_slice(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of a full checkpoint tensor (the whole one for TP 1)."""
         p = self.parallel
@@ -294,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
         if ".down_proj." in hf_name:
             return tensor.narrow(1, p.tp_rank * width, width)
         if hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            rows = self.model.embed_tokens.num_rows
+            rows = vocab_rows(self.arch.vocab_size, p.tp_size)
             start = p.tp_rank * rows
             return tensor.narrow(0, start, max(0, min(rows, tensor.shape[0] - start)))
         return tensor  # norms: replicated
