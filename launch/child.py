@@ -1,4 +1,4 @@
-"""Entry point of every child process: ``python -m launch.child ROLE [RANK]``.
+"""Entry point of every child process: ``python -m launch.child ROLE [RANK [DP_RANK]]``.
 
 The ServeConfig arrives as JSON on stdin (no pickle). Each role's code lives
 in its own service folder; this module only decodes the configuration, sets
@@ -44,7 +44,11 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
 
     ep = config.endpoints
     frontend = EngineFrontend(
-        FrontendEndpoints(ep.tokenizer_requests, ep.api_outputs, ep.engine_core),
+        FrontendEndpoints(
+            ep.tokenizer_requests,
+            ep.api_outputs,
+            tuple(e.engine_core for e in ep.engines(config.engine.parallel.data_parallel_size)),
+        ),
         max_model_len=config.engine.scheduler.max_model_len,
     )
     settings = ServerSettings(
@@ -112,6 +116,7 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
 def main() -> int:
     role = sys.argv[1]
     rank = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    dp_rank = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     watch_parent()
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServeConfig)
     control = os.environ[CONTROL_ENV]
@@ -123,13 +128,13 @@ def main() -> int:
         if role == "worker":
             from services.gpu_worker.worker import run_worker
 
-            run_worker(config, control, rank)
+            run_worker(config, control, rank, dp_rank)
             return 0
         _threads_for_helper_process()
         if role == "scheduler":
             from services.scheduler.service import run_scheduler
 
-            run_scheduler(config, control)
+            run_scheduler(config, control, dp_rank)
         elif role == "tokenizer":
             from services.tokenizer.service import run_tokenizer_process
 

@@ -44,6 +44,7 @@ _SOCKETS = (
     "detok_tokens",
     "detok_specs",
     "control",
+    "engine_state",
 )
 _POLL_MS = 200
 
@@ -95,29 +96,30 @@ class Launcher:
                     "during start-up (its error is above)"
                 )
             if time.monotonic() > deadline:
-                what = dict(+expected)
+                what = ", ".join(f"{n} {role}" for role, n in (+expected).items())
                 if expected["worker"]:
-                    world = self.config.engine.parallel.world_size
-                    what["worker ranks"] = missing_ranks(  # type: ignore[assignment]
-                        [r for r in got if r.role == "worker"], world
-                    )
+                    workers = [r for r in got if r.role == "worker"]
+                    what = ", ".join(missing_ranks(workers, self.config.engine.parallel))
                 raise StartupError(f"timed out waiting for {what} to start")
             ready = self.control.recv(timeout_ms=_POLL_MS)
             if ready is not None:
                 self._ready.append(ready)
 
     def start(self) -> None:
-        world = self.config.engine.parallel.world_size
-        start_worker_ranks(self.group, self.config, self._env)
+        parallel = self.config.engine.parallel
+        dp = parallel.data_parallel_size
+        for d in range(dp):
+            start_worker_ranks(self.group, self.config, self._env, d)
         self._start("detokenizer")
         for _ in range(self.config.tokenizer_workers):
             self._start("tokenizer")
-        workers = self._wait_ready(Counter(worker=world), timeout_s=900)
-        # Every rank holds its shard of every block: the smallest rank sets the pool.
-        self.config.num_blocks = min(w.num_blocks for w in workers)
-        self._start("scheduler")
+        workers = self._wait_ready(Counter(worker=parallel.world_size * dp), timeout_s=900)
+        for d in range(dp):
+            # Every rank holds its shard of every block: the smallest rank sets the pool.
+            self.config.num_blocks = min(w.num_blocks for w in workers if w.engine == d)
+            self._start("scheduler", "0", str(d))
         self._wait_ready(
-            Counter(scheduler=1, detokenizer=1, tokenizer=self.config.tokenizer_workers), 300
+            Counter(scheduler=dp, detokenizer=1, tokenizer=self.config.tokenizer_workers), 300
         )
         self._start("api_server")
         self._wait_ready(Counter(api_server=1), 120)

@@ -20,26 +20,59 @@ _POLL_MS = 200
 
 
 def resolve_master_port(parallel: ParallelConfig) -> None:
-    """Pick a free port on ``--master-addr`` for the ranks' rendezvous, unless one was given."""
-    if parallel.world_size > 1 and parallel.master_port is None:
+    """Pick free ports on ``--master-addr`` for the ranks' rendezvous, unless one was given:
+    data-parallel engine d's ranks meet at ``master_port + d``."""
+    if parallel.world_size == 1 or parallel.master_port is not None:
+        return
+    for _ in range(100):
         with socket.socket() as s:
             s.bind((parallel.master_addr, 0))
-            parallel.master_port = int(s.getsockname()[1])
+            first = int(s.getsockname()[1])
+        try:
+            for port in range(first, first + parallel.data_parallel_size):
+                with socket.socket() as s:
+                    s.bind((parallel.master_addr, port))
+        except OSError:
+            continue
+        parallel.master_port = first
+        return
+    raise RuntimeError(f"found no {parallel.data_parallel_size} free consecutive ports")
+
+
+def worker_name(rank: int, dp_rank: int, data_parallel_size: int) -> str:
+    return (
+        f"worker rank {rank}" if data_parallel_size == 1 else f"engine {dp_rank} worker rank {rank}"
+    )
 
 
 def start_worker_ranks(
-    group: ProcessGroup, config: ServeConfig, env: dict[str, str]
+    group: ProcessGroup, config: ServeConfig, env: dict[str, str], dp_rank: int = 0
 ) -> list[Child]:
-    """``python -m launch.child worker RANK`` for every rank of the configuration."""
+    """``python -m launch.child worker RANK DP_RANK`` for every rank of one engine core."""
     payload = msgspec.json.encode(config)
+    parallel = config.engine.parallel
     return [
-        group.start(f"worker rank {rank}", "launch.child", payload, env, args=("worker", str(rank)))
-        for rank in range(config.engine.parallel.world_size)
+        group.start(
+            worker_name(rank, dp_rank, parallel.data_parallel_size),
+            "launch.child",
+            payload,
+            env,
+            args=("worker", str(rank), str(dp_rank)),
+        )
+        for rank in range(parallel.world_size)
     ]
 
 
-def missing_ranks(ready: list[Ready], world_size: int) -> list[int]:
-    return sorted(set(range(world_size)) - {r.rank for r in ready})
+def missing_ranks(ready: list[Ready], parallel: ParallelConfig) -> list[str]:
+    """The worker ranks that have not reported READY, by name."""
+    dp = parallel.data_parallel_size
+    seen = {(r.engine, r.rank) for r in ready}
+    return [
+        worker_name(rank, d, dp)
+        for d in range(dp)
+        for rank in range(parallel.world_size)
+        if (d, rank) not in seen
+    ]
 
 
 class LocalWorkerRanks:
@@ -66,9 +99,8 @@ class LocalWorkerRanks:
                 if (dead := self.dead_rank()) is not None:
                     raise RuntimeError(f"{dead} during start-up (its error is above)")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"worker ranks {missing_ranks(ready, world)} did not start in time"
-                    )
+                    missing = ", ".join(missing_ranks(ready, config.parallel))
+                    raise RuntimeError(f"{missing} did not start in time")
                 if (msg := control.recv(timeout_ms=_POLL_MS)) is not None:
                     ready.append(msg)
             self.executor = MultiprocExecutor(

@@ -8,6 +8,7 @@ for the user; the CLI prints it and exits with status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -293,6 +294,13 @@ class ParallelConfig:
         default=None,
         metadata=_flag("layers per stage, e.g. 16,14 (default: as even as possible)"),
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_flag(
+            "engine cores (scheduler, KV cache, worker ranks each) behind one API server",
+            aliases=("-dp",),
+        ),
+    )
     master_addr: str = field(
         default="127.0.0.1", metadata=_flag("address of rank 0's torch.distributed store")
     )
@@ -331,6 +339,10 @@ class ParallelConfig:
             raise ConfigError(
                 f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.data_parallel_size < 1:
+            raise ConfigError(
+                f"--data-parallel-size must be at least 1, got {self.data_parallel_size}"
+            )
         if self.pipeline_parallel_size < 1:
             raise ConfigError(
                 f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}"
@@ -368,21 +380,22 @@ class ParallelConfig:
                 f"parallel size ({tp})"
             )
         self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
-        if self.world_size == 1:
+        ranks = self.world_size * self.data_parallel_size
+        if ranks == 1:
             return
         if device == "cuda":
             import torch
 
-            if self.world_size > torch.cuda.device_count():
+            if ranks > torch.cuda.device_count():
                 raise ConfigError(
-                    f"{self.world_size} worker ranks need {self.world_size} GPUs; torch sees "
+                    f"{ranks} worker ranks need {ranks} GPUs; torch sees "
                     f"{torch.cuda.device_count()}"
                 )
-        elif self.world_size > (os.cpu_count() or 1):
+        elif ranks > (os.cpu_count() or 1):
             logger.warning(
                 "%d worker ranks on %d CPU cores: each rank gets one thread and they share "
                 "cores, so this is a test of the code path, not a speed-up",
-                self.world_size,
+                ranks,
                 os.cpu_count(),
             )
 
@@ -539,6 +552,26 @@ class Endpoints:
     detok_specs: str = ""  # detokenizer binds (PULL) <- tokenizers
     control: str = ""  # launcher binds (PULL) <- every child's Ready
     kv_events: str | None = None  # scheduler binds (PUB) for routers, when set
+    engine_state: str = ""  # scheduler binds (PUB) -> tokenizers: load and cached blocks (DP)
+
+    # Each data-parallel engine core has its own of these; engine 0 keeps the plain names.
+    _PER_ENGINE = ("engine_core", "step_plans", "step_results", "engine_state")
+
+    def for_engine(self, dp_rank: int) -> Endpoints:
+        """The endpoints as engine ``dp_rank`` sees them: its own input, plan, result and
+        state sockets (``name_{dp_rank}``), and for KV events a TCP port offset by the rank
+        (as vLLM does)."""
+        if dp_rank == 0:
+            return self
+        own = {name: f"{getattr(self, name)}_{dp_rank}" for name in self._PER_ENGINE}
+        kv = self.kv_events
+        if kv is not None:
+            head, _, port = kv.rpartition(":")
+            kv = f"{head}:{int(port) + dp_rank}" if port.isdigit() else f"{kv}_{dp_rank}"
+        return dataclasses.replace(self, kv_events=kv, **own)
+
+    def engines(self, data_parallel_size: int) -> list[Endpoints]:
+        return [self.for_engine(d) for d in range(data_parallel_size)]
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.config import EngineConfig, ModelArchConfig
+from services.config import ConfigError, EngineConfig, ModelArchConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.logging_utils import init_logger
 from services.model_loader import load_hf_config, load_tokenizer, prepare_model
@@ -91,6 +91,11 @@ class LLM:
         folder = prepare_model(self.config.model.model, self.config.model.load_format)
         arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
         self.config.finalize(arch)
+        if self.config.parallel.data_parallel_size > 1:
+            raise ConfigError(
+                "data_parallel_size is for the server (actorserve serve -dp N); offline, "
+                "run one LLM per data-parallel rank"
+            )
         self.arch = arch
         self.tokenizer = load_tokenizer(folder)
         assert self.config.scheduler.max_model_len is not None

@@ -283,6 +283,9 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     cache_salt: str | None = None
     echo: bool = False
     return_token_ids: bool = False  # the prompt's token ids come back with the first delta
+    data_parallel_rank: int | None = (
+        None  # X-data-parallel-rank: this engine core, not the balancer's
+    )
 
 
 class TokenizeRequest(msgspec.Struct, **_TAGGED):
@@ -482,6 +485,20 @@ class KVEventBatch(msgspec.Struct, **_STRUCT):
     data_parallel_rank: int | None = None
 
 
+# ---- data parallelism: scheduler (each engine core) -PUB EngineState-> tokenizers
+
+
+class EngineState(msgspec.Struct, **_STRUCT):
+    """What an engine core tells the tokenizers after a step that changed it: its load,
+    and the blocks that entered or left its prefix cache (for prefix affinity)."""
+
+    dp_rank: int
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    events: list[KVCacheEvent] = []
+
+
 # ---- launcher: every child -PUSH Ready-> launcher (control socket)
 
 
@@ -493,3 +510,4 @@ class Ready(msgspec.Struct, **_STRUCT):
     pid: int
     num_blocks: int = 0
     rank: int = 0
+    engine: int = 0  # the data-parallel engine core a worker or scheduler belongs to

@@ -109,12 +109,12 @@ def serve_fake_engine() -> Iterator[tuple]:
     tokenizer) and stop it all on exit."""
     info = load_serving_tokenizer()
     d = ipc_dir()
-    fe = FrontendEndpoints(d.endpoint("tok_req"), d.endpoint("api_out"), d.endpoint("core"))
-    te = TokenizerEndpoints(fe.tokenizer_requests, fe.engine_core, d.endpoint("specs"), fe.outputs)
+    fe = FrontendEndpoints(d.endpoint("tok_req"), d.endpoint("api_out"), (d.endpoint("core"),))
+    te = TokenizerEndpoints(fe.tokenizer_requests, fe.engine_cores, d.endpoint("specs"), fe.outputs)
     de = DetokenizerEndpoints(
-        d.endpoint("batches"), te.detokenizer_specs, fe.engine_core, fe.outputs
+        d.endpoint("batches"), te.detokenizer_specs, fe.engine_cores, fe.outputs
     )
-    sched = FakeScheduler(fe.engine_core, de.token_batches, info.tokenizer)
+    sched = FakeScheduler(fe.engine_cores[0], de.token_batches, info.tokenizer)
     stop = threading.Event()
     threads = [
         sched.thread,

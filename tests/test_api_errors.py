@@ -165,7 +165,7 @@ def test_engine_death_fails_live_requests(server, http):
 
 def test_api_key():
     settings = ServerSettings([MODEL], api_key="s3cret")
-    app = build_app(EngineFrontend(FrontendEndpoints("a", "b", "c"), max_model_len=8), settings)
+    app = build_app(EngineFrontend(FrontendEndpoints("a", "b", ("c",)), max_model_len=8), settings)
     transport = httpx.ASGITransport(app=app)
 
     async def go():

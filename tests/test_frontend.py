@@ -33,7 +33,7 @@ from services.scheduler.service import EngineCoreProc
 @pytest.fixture
 def endpoints():
     with ipc_dir() as d:
-        yield FrontendEndpoints(d.endpoint("tok"), d.endpoint("out"), d.endpoint("core"))
+        yield FrontendEndpoints(d.endpoint("tok"), d.endpoint("out"), (d.endpoint("core"),))
 
 
 def _gen(req_id: str) -> GenerateRequest:
@@ -136,7 +136,7 @@ def test_duplicate_id_in_a_group_leaves_the_other_request_alone(endpoints):
         front = EngineFrontend(endpoints, max_model_len=100)
         await front.start()
         tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
-        core = PullSocket[EngineCoreInput](endpoints.engine_core, EngineCoreInput, bind=True)
+        core = PullSocket[EngineCoreInput](endpoints.engine_cores[0], EngineCoreInput, bind=True)
         first = asyncio.create_task(_drain(front, [_gen("a")]))
         await asyncio.sleep(0.05)
         with pytest.raises(EngineRequestError) as err:

@@ -137,10 +137,10 @@ def test_tokenize_and_detokenize(proc, info):
 def test_service_loop_routes_messages(proc):
     with ipc_dir() as d:
         ep = TokenizerEndpoints(
-            d.endpoint("req"), d.endpoint("core"), d.endpoint("spec"), d.endpoint("api")
+            d.endpoint("req"), (d.endpoint("core"),), d.endpoint("spec"), d.endpoint("api")
         )
         requests = PushSocket[TokenizerInput](ep.requests, TokenizerInput, bind=True)
-        core = PullSocket[EngineCoreInput](ep.engine_core, EngineCoreInput, bind=True)
+        core = PullSocket[EngineCoreInput](ep.engine_cores[0], EngineCoreInput, bind=True)
         specs = PullSocket[RequestOutputSpec](ep.detokenizer_specs, RequestOutputSpec, bind=True)
         api = PullSocket[ApiServerInput](ep.api_server, ApiServerInput, bind=True)
         stop = threading.Event()

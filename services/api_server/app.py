@@ -108,6 +108,21 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         if frontend.draining:
             raise APIError(503, "The server is shutting down.")
 
+    def pinned_rank(request: Request) -> int | None:
+        """vLLM's ``X-data-parallel-rank`` header: run on that engine core (the tokenizer
+        checks the range, as it knows how many there are)."""
+        value = request.headers.get("x-data-parallel-rank")
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise APIError(
+                400,
+                f"X-data-parallel-rank must be an integer, got {value!r}",
+                "X-data-parallel-rank",
+            ) from None
+
     def response_ids(request: Request, prefix: str, body_id: str | None) -> tuple[str, str]:
         """(response id, engine request ids' base): vLLM's ``{prefix}-{id}``, the id taken from
         the X-Request-Id header, else the body's ``request_id``, else random. A client's id
@@ -170,6 +185,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             return_token_ids=req.return_token_ids,
         )
         now = time.time()
+        dp_rank = pinned_rank(request)
 
         def make(req_id: str, sub: SamplingParams, p: int) -> GenerateRequest:
             prompt = prompts[p]
@@ -182,6 +198,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 arrival_time=now,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                data_parallel_rank=dp_rank,
                 echo=req.echo,
                 return_token_ids=req.return_token_ids,
             )
@@ -217,6 +234,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         )
         messages = [m.to_template() for m in req.messages]
         now = time.time()
+        dp_rank = pinned_rank(request)
 
         def make(req_id: str, sub: SamplingParams, p: int) -> GenerateRequest:
             return GenerateRequest(
@@ -230,6 +248,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 arrival_time=now,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                data_parallel_rank=dp_rank,
                 return_token_ids=req.return_token_ids,
             )
 

@@ -52,7 +52,7 @@ class EngineRequestError(Exception):
 class FrontendEndpoints:
     tokenizer_requests: str  # bound here: PUSH -> tokenizers (TokenizerInput)
     outputs: str  # bound here: PULL <- tokenizers, detokenizer (ApiServerInput)
-    engine_core: str  # the scheduler's PULL (Abort)
+    engine_cores: tuple[str, ...]  # each scheduler's PULL (Abort, to all of them)
 
 
 @dataclass
@@ -114,7 +114,9 @@ class EngineFrontend:
             e.tokenizer_requests, TokenizerInput, bind=True
         )
         self._outputs = AsyncPullSocket[ApiServerInput](e.outputs, ApiServerInput, bind=True)
-        self._engine = AsyncPushSocket[EngineCoreInput](e.engine_core, EngineCoreInput)
+        self._engines = [
+            AsyncPushSocket[EngineCoreInput](a, EngineCoreInput) for a in e.engine_cores
+        ]
         self._recv_task = asyncio.create_task(self._recv_loop())
 
     async def close(self) -> None:
@@ -122,7 +124,7 @@ class EngineFrontend:
             self._recv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._recv_task
-            for sock in (self._requests, self._outputs, self._engine):
+            for sock in (self._requests, self._outputs, *self._engines):
                 sock.close()
 
     def fail_all(self, message: str) -> None:
@@ -242,8 +244,11 @@ class EngineFrontend:
         sending.result()
 
     async def abort(self, req_ids: list[str]) -> None:
-        """Tell the scheduler to stop these requests (their clients get a final delta)."""
-        await self._engine.send(Abort(req_ids))
+        """Tell the scheduler to stop these requests (their clients get a final delta).
+        With data parallelism every engine core is told: the one holding a request stops
+        it, the others remember the ids briefly in case the request is still on its way."""
+        for engine in self._engines:
+            await engine.send(Abort(req_ids))
 
     async def _call(
         self, req: TokenizeRequest | DetokenizeRequest

@@ -168,7 +168,7 @@ class OutputProcessor:
 class DetokenizerEndpoints:
     token_batches: str  # bound here: scheduler PUSH -> TokenBatch
     specs: str  # bound here: tokenizer PUSH -> RequestOutputSpec
-    engine_core: str  # -> scheduler PULL (FinishRequest)
+    engine_cores: tuple[str, ...]  # -> each scheduler's PULL (FinishRequest, to all of them)
     api_server: str  # -> api_server PULL (TextDeltaBatch)
 
 
@@ -187,7 +187,9 @@ def serve_detokenizer(
     processor = OutputProcessor(tokenizer)
     batches = PullSocket[TokenBatch](endpoints.token_batches, TokenBatch, bind=True)
     specs = PullSocket[RequestOutputSpec](endpoints.specs, RequestOutputSpec, bind=True)
-    engine = PushSocket[EngineCoreInput](endpoints.engine_core, EngineCoreInput)
+    # It does not know which data-parallel engine holds a request: a finish goes to every
+    # engine core, and those that do not hold it ignore it (stop strings only: rare).
+    engines = [PushSocket[EngineCoreInput](e, EngineCoreInput) for e in endpoints.engine_cores]
     api = PushSocket[ApiServerInput](endpoints.api_server, ApiServerInput)
     poller = zmq.Poller()
     poller.register(batches.socket, zmq.POLLIN)
@@ -211,13 +213,14 @@ def serve_detokenizer(
                 deltas += d
                 finishes += f
             for finish in finishes:
-                engine.send(finish)
+                for engine in engines:
+                    engine.send(finish)
             if deltas:
                 api.send(TextDeltaBatch(deltas))
             if batch_time is not None:
                 batch_time.observe(time.perf_counter() - start)
     finally:
-        for sock in (batches, specs, engine, api):
+        for sock in (batches, specs, *engines, api):
             sock.close()
 
 
@@ -229,7 +232,9 @@ def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     endpoints = DetokenizerEndpoints(
         token_batches=ep.detok_tokens,
         specs=ep.detok_specs,
-        engine_core=ep.engine_core,
+        engine_cores=tuple(
+            e.engine_core for e in ep.engines(config.engine.parallel.data_parallel_size)
+        ),
         api_server=ep.api_outputs,
     )
     tokenizer = load_serving_tokenizer(config.model_folder).tokenizer

@@ -29,9 +29,13 @@ from services.scheduler.capacity import check_kv_capacity
 logger = init_logger(__name__)
 
 
-def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0) -> None:
-    """Process entry point. A capacity error (not even one request fits) ends it with ConfigError."""
+def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_rank: int = 0) -> None:
+    """Process entry point for worker ``rank`` of data-parallel engine ``dp_rank``. A
+    capacity error (not even one request fits) ends it with ConfigError."""
     engine = config.engine
+    endpoints = config.endpoints.for_engine(dp_rank)
+    if engine.parallel.master_port is not None:  # each engine's ranks form their own group
+        engine.parallel.master_port += dp_rank
     folder = Path(config.model_folder)
     arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
     parallel = init_distributed(
@@ -50,15 +54,15 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0) -> Non
         logger if parallel.rank == 0 else None,
     )
     worker.initialize_kv_cache(num_blocks)
-    plans = SubSocket[StepPlan](config.endpoints.step_plans, StepPlan)
+    plans = SubSocket[StepPlan](endpoints.step_plans, StepPlan)
     results = (
-        PushSocket[StepResult](config.endpoints.step_results, StepResult)
+        PushSocket[StepResult](endpoints.step_results, StepResult)
         if parallel.is_output_rank
         else None
     )
-    forward_time = worker_forward_time(config, rank)
-    trace = StepTrace.from_env(rank)
-    report_ready(control_endpoint, "worker", num_blocks, rank)
+    forward_time = worker_forward_time(config, rank, dp_rank)
+    trace = StepTrace.from_env(rank, dp_rank)
+    report_ready(control_endpoint, "worker", num_blocks, rank, dp_rank)
     while True:
         plan = plans.recv()
         if plan is None:
@@ -87,9 +91,12 @@ class StepTrace:
         self._file.write("[\n")
 
     @classmethod
-    def from_env(cls, rank: int) -> StepTrace | None:
+    def from_env(cls, rank: int, dp_rank: int = 0) -> StepTrace | None:
         folder = os.environ.get(cls.ENV)
-        return cls(Path(folder) / f"rank{rank}.json", rank) if folder else None
+        if not folder:
+            return None
+        name = f"rank{rank}.json" if dp_rank == 0 else f"dp{dp_rank}-rank{rank}.json"
+        return cls(Path(folder) / name, rank)
 
     def record(self, plan: StepPlan, start: float, end: float) -> None:
         event = {

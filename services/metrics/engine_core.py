@@ -33,11 +33,17 @@ class EngineCoreMetrics:
     and ``wait_idle`` instead of a blocking read of the input queue.
     """
 
-    def __init__(self, config: ServeConfig, scheduler: Scheduler, logger: logging.Logger) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        scheduler: Scheduler,
+        logger: logging.Logger,
+        engine_index: int = 0,
+    ) -> None:
         self.scheduler = scheduler
         self.enabled = not config.disable_log_stats
-        self.engine = EngineMetrics(config)
-        self.loop = SchedulerLoopMetrics(config)
+        self.engine = EngineMetrics(config, engine_index)
+        self.loop = SchedulerLoopMetrics(config, engine_index)
         self.stats_logger = LoggingStatLogger(logger, config.log_stats_interval)
         self._next_flush = 0.0
 

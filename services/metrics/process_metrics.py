@@ -15,9 +15,9 @@ from services.config import ServeConfig
 from services.metrics.registry import LABEL_NAMES, STEP_TIME_BUCKETS, label_values
 
 
-def _histogram(config: ServeConfig, name: str, doc: str) -> Any:
+def _histogram(config: ServeConfig, name: str, doc: str, engine_index: int = 0) -> Any:
     return Histogram(name, doc, LABEL_NAMES, buckets=STEP_TIME_BUCKETS, registry=None).labels(
-        *label_values(config)
+        *label_values(config, engine_index)
     )
 
 
@@ -33,7 +33,7 @@ def detokenizer_time(config: ServeConfig) -> Any:
                       "Time the detokenizer process spent on one batch of engine outputs.")  # fmt: skip
 
 
-def worker_forward_time(config: ServeConfig, rank: int = 0) -> Any:
+def worker_forward_time(config: ServeConfig, rank: int = 0, engine_index: int = 0) -> Any:
     """``actorserve:worker_forward_time_seconds{rank}``: one StepPlan executed by worker
     rank ``rank`` (its collectives' waits included)."""
     return Histogram(
@@ -42,7 +42,7 @@ def worker_forward_time(config: ServeConfig, rank: int = 0) -> Any:
         (*LABEL_NAMES, "rank"),
         buckets=STEP_TIME_BUCKETS,
         registry=None,
-    ).labels(*label_values(config), str(rank))
+    ).labels(*label_values(config, engine_index), str(rank))
 
 
 def api_requests(model_name: str, engine_index: int = 0) -> Any:
@@ -58,8 +58,8 @@ class SchedulerLoopMetrics:
     ``vllm:num_requests_running`` against.
     """
 
-    def __init__(self, config: ServeConfig) -> None:
-        lv = label_values(config)
+    def __init__(self, config: ServeConfig, engine_index: int = 0) -> None:
+        lv = label_values(config, engine_index)
         Gauge(
             "actorserve:max_num_seqs", "The --max-num-seqs limit on running requests.",
             LABEL_NAMES, multiprocess_mode="mostrecent", registry=None,
@@ -67,6 +67,7 @@ class SchedulerLoopMetrics:
         self.step_time = _histogram(
             config, "actorserve:scheduler_step_time_seconds",
             "Scheduler time per engine step, not counting the wait for the workers.",
+            engine_index,
         )  # fmt: skip
         self.idle_seconds = Counter(
             "actorserve:scheduler_idle_seconds",

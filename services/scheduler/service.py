@@ -23,7 +23,9 @@ from services.metrics.engine_core import EngineCoreMetrics
 from services.protocol import (
     Abort,
     EngineCoreInput,
+    EngineState,
     FinishRequest,
+    KVCacheEvent,
     KVEventBatch,
     RequestTokens,
     TokenBatch,
@@ -43,9 +45,11 @@ class EngineCoreProc:
     an input thread and followed by the detokenizer. Its sockets belong to the
     calling thread (the input socket to the input thread)."""
 
-    def __init__(self, config: ServeConfig) -> None:
-        ep = config.endpoints
+    def __init__(self, config: ServeConfig, dp_rank: int = 0) -> None:
+        ep = config.endpoints.for_engine(dp_rank)
         engine = config.engine
+        self.dp_rank = dp_rank
+        data_parallel = engine.parallel.data_parallel_size > 1
         self.executor = MultiprocExecutor(
             ep.step_plans,
             ep.step_results,
@@ -54,7 +58,9 @@ class EngineCoreProc:
             max_in_flight=engine.parallel.pipeline_parallel_size,
         )
         self.core = EngineCore(
-            engine, self.executor, enable_kv_cache_events=ep.kv_events is not None
+            engine,
+            self.executor,
+            enable_kv_cache_events=ep.kv_events is not None or data_parallel,
         )
         self.scheduler = self.core.scheduler
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
@@ -64,7 +70,14 @@ class EngineCoreProc:
             PubSocket[KVEventBatch](ep.kv_events, KVEventBatch, bind=True) if ep.kv_events else None
         )
         self._kv_event_seq = 0
-        self.metrics = EngineCoreMetrics(config, self.scheduler, logger)
+        # With data parallelism the tokenizers route by each engine's load and cached blocks.
+        self._state = (
+            PubSocket[EngineState](ep.engine_state, EngineState, bind=True)
+            if data_parallel
+            else None
+        )
+        self._last_load: tuple[int, int] = (0, 0)
+        self.metrics = EngineCoreMetrics(config, self.scheduler, logger, dp_rank)
         self.metrics.loop.count_sent_bytes(self.executor.plans_socket, "step_plans")
         self.metrics.loop.count_sent_bytes(self._detok, "detok_tokens")
         self._input_endpoint = ep.engine_core
@@ -141,18 +154,29 @@ class EngineCoreProc:
         plan, items = self.core.step()
         if items:
             self._detok.send(TokenBatch(items))
-        if self._kv_events is not None:
-            events = self.scheduler.take_events()
-            if events:
-                self._kv_events.send(KVEventBatch(time.time(), events, self._kv_event_seq))
-                self._kv_event_seq += 1
+        self._publish(self.scheduler.take_events())
         busy_s = time.perf_counter() - start - self.core.last_execute_s
         self.metrics.on_step(plan, items, busy_s)
 
+    def _publish(self, events: list[KVCacheEvent]) -> None:
+        """KV events to the routers (``--kv-events-endpoint``); with data parallelism the
+        engine's state to the tokenizers whenever its load or its cache changed."""
+        dp_rank = self.dp_rank if self._state is not None else None
+        if self._kv_events is not None and events:
+            self._kv_events.send(KVEventBatch(time.time(), events, self._kv_event_seq, dp_rank))
+            self._kv_event_seq += 1
+        if self._state is not None:
+            sched = self.scheduler
+            load = (len(sched.waiting), len(sched.running))
+            if events or load != self._last_load:
+                self._last_load = load
+                usage = sched.kv_cache_manager.block_pool.get_usage()
+                self._state.send(EngineState(self.dp_rank, *load, usage, events))
 
-def run_scheduler(config: ServeConfig, control_endpoint: str) -> None:
+
+def run_scheduler(config: ServeConfig, control_endpoint: str, dp_rank: int = 0) -> None:
     """Process entry point: bind, wait for the workers, report READY, loop forever."""
-    core = EngineCoreProc(config)
+    core = EngineCoreProc(config, dp_rank)
     core.wait_ready()
-    report_ready(control_endpoint, "scheduler")
+    report_ready(control_endpoint, "scheduler", engine=dp_rank)
     core.run_forever()

@@ -5,7 +5,8 @@ ZeroMQ hands each message to one of them (round robin). A ``GenerateBatch`` (the
 engine requests of one HTTP request) is checked as a whole: if any is rejected,
 the first error goes straight back to the api_server and none is sent on;
 otherwise each first registers its output spec with the detokenizer, then goes
-to the scheduler.
+to a scheduler: with data parallelism, the engine core the balancer chooses
+(``balancer.py``) from the engines' published states.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.config import ServeConfig
-from services.ipc import PullSocket, PushSocket, report_ready
+from services.ipc import PullSocket, PushSocket, SubSocket, report_ready
 from services.protocol import (
     ApiServerInput,
     DetokenizeRequest,
     EngineCoreInput,
+    EngineState,
     GenerateBatch,
     RequestError,
     RequestOutputSpec,
     TokenizeRequest,
     TokenizerInput,
 )
+from services.tokenizer.balancer import DataParallelBalancer
 from services.tokenizer.processor import RequestProcessor
 
 logger = logging.getLogger(__name__)
@@ -41,9 +44,31 @@ class TokenizerEndpoints:
     """Where the tokenizer connects (every endpoint is bound by its owner)."""
 
     requests: str  # api_server PUSH -> here (TokenizerInput)
-    engine_core: str  # -> scheduler PULL (EngineCoreInput)
+    engine_cores: tuple[str, ...]  # -> each scheduler's PULL (EngineCoreInput)
     detokenizer_specs: str  # -> detokenizer PULL (RequestOutputSpec)
     api_server: str  # -> api_server PULL (ApiServerInput)
+    engine_states: tuple[str, ...] = ()  # each scheduler's PUB (EngineState), with DP
+
+
+def _route(
+    batch: GenerateBatch, outs: list, balancer: DataParallelBalancer
+) -> list[int] | RequestError:
+    """Each request's engine core; a pinned rank out of range fails the whole batch."""
+    n = balancer.num_engines
+    engines = []
+    for req, out in zip(batch.requests, outs, strict=True):
+        pinned = req.data_parallel_rank
+        if pinned is not None and not 0 <= pinned < n:
+            return RequestError(
+                req.req_id,
+                400,
+                f"data_parallel_rank {pinned} is out of range: this server has {n} "
+                f"data-parallel engine{'s' if n > 1 else ''} (0 to {n - 1})",
+                param="X-data-parallel-rank",
+            )
+        tokenized = out[0]
+        engines.append(balancer.choose(tokenized.prompt_token_ids, tokenized.cache_salt, pinned))
+    return engines
 
 
 def serve_tokenizer(
@@ -52,6 +77,7 @@ def serve_tokenizer(
     stop_event: threading.Event | None = None,
     tokenize_time: Any | None = None,
     on_connected: Callable[[], None] | None = None,
+    balancer: DataParallelBalancer | None = None,
 ) -> None:
     """Run the tokenizer loop until ``stop_event`` is set (forever without one).
 
@@ -60,7 +86,9 @@ def serve_tokenizer(
     """
     stop_event = stop_event or threading.Event()
     requests = PullSocket[TokenizerInput](endpoints.requests, TokenizerInput)
-    engine = PushSocket[EngineCoreInput](endpoints.engine_core, EngineCoreInput)
+    engines = [PushSocket[EngineCoreInput](e, EngineCoreInput) for e in endpoints.engine_cores]
+    states = [SubSocket[EngineState](e, EngineState) for e in endpoints.engine_states]
+    balancer = balancer or DataParallelBalancer(len(engines), 16, "builtin")
     specs = PushSocket[RequestOutputSpec](endpoints.detokenizer_specs, RequestOutputSpec)
     api = PushSocket[ApiServerInput](endpoints.api_server, ApiServerInput)
     if on_connected is not None:
@@ -82,12 +110,19 @@ def serve_tokenizer(
                     if error is not None:
                         api.send(error)  # the whole group fails with its first error
                         continue
-                    for out in outs:
+                    for sock in states:  # the engines' latest loads and cached blocks
+                        while (state := sock.recv_nowait()) is not None:
+                            balancer.on_state(state)
+                    routes = _route(msg, outs, balancer)
+                    if isinstance(routes, RequestError):
+                        api.send(routes)
+                        continue
+                    for out, d in zip(outs, routes, strict=True):
                         assert not isinstance(out, RequestError)
                         # The spec goes first so the detokenizer usually knows the
                         # request before its first tokens (it buffers them otherwise).
                         specs.send(out[1])
-                        engine.send(out[0])
+                        engines[d].send(out[0])
                 elif isinstance(msg, TokenizeRequest):
                     api.send(processor.tokenize(msg))
                 elif isinstance(msg, DetokenizeRequest):
@@ -97,7 +132,7 @@ def serve_tokenizer(
                 logger.exception("tokenizer failed on request %s", req_id)
                 api.send(RequestError(req_id, 500, f"tokenizer error: {e}", "InternalServerError"))
     finally:
-        for sock in (requests, engine, specs, api):
+        for sock in (requests, *engines, *states, specs, api):
             sock.close()
 
 
@@ -106,12 +141,17 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     from services.tokenizer.loader import load_serving_tokenizer
 
     ep = config.endpoints
+    dp = config.engine.parallel.data_parallel_size
+    engines = ep.engines(dp)
     endpoints = TokenizerEndpoints(
         requests=ep.tokenizer_requests,
-        engine_core=ep.engine_core,
+        engine_cores=tuple(e.engine_core for e in engines),
         detokenizer_specs=ep.detok_specs,
         api_server=ep.api_outputs,
+        engine_states=tuple(e.engine_state for e in engines) if dp > 1 else (),
     )
+    cache = config.engine.cache
+    balancer = DataParallelBalancer(dp, cache.block_size, cache.prefix_caching_hash_algo)
     processor = RequestProcessor(
         load_serving_tokenizer(config.model_folder), config.engine.scheduler.max_model_len
     )
@@ -122,4 +162,5 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
         endpoints,
         tokenize_time=tokenizer_time(config),
         on_connected=lambda: report_ready(control_endpoint, "tokenizer"),
+        balancer=balancer,
     )
