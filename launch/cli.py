@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.config import ConfigError, add_engine_args
+from services.config import ConfigError, EngineConfig, add_engine_args
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -70,8 +70,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    engine_args = {k: v for k, v in vars(args).items() if v is not None}
-    llm = LLM(**_engine_kwargs(engine_args))
+    llm = LLM(**EngineConfig.cli_kwargs(args))
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
         prompts = [
@@ -93,13 +92,6 @@ def _run_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def _engine_kwargs(values: dict) -> dict:
-    from services.config import EngineConfig
-
-    names = EngineConfig.flag_names()
-    return {k: v for k, v in values.items() if k in names}
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

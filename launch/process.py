@@ -56,6 +56,10 @@ class ProcessGroup:
     """The launcher's children. Not thread-safe: use from the launcher's supervising thread."""
 
     children: list[Child] = field(default_factory=list)
+    # The parent-death signal fires when the *thread* that started a child ends: right for
+    # the launcher (one thread for the server's life), wrong for an offline LLM built in a
+    # worker thread; the death pipe alone still guards against the process dying.
+    pdeathsig: bool = True
     _death_r: int = -1
     _death_w: int = -1
 
@@ -79,7 +83,7 @@ class ProcessGroup:
             stdin=subprocess.PIPE,
             env=env,
             pass_fds=(self._death_r,),
-            preexec_fn=_set_pdeathsig,
+            preexec_fn=_set_pdeathsig if self.pdeathsig else None,
             start_new_session=False,
         )
         assert popen.stdin is not None

@@ -88,7 +88,7 @@ class LocalWorkerRanks:
         )
         resolve_master_port(config.parallel)
         serve_config = ServeConfig(engine=config, endpoints=endpoints, model_folder=str(folder))
-        self.group = ProcessGroup()
+        self.group = ProcessGroup(pdeathsig=False)
         world = config.parallel.world_size
         control = PullSocket[Ready](endpoints.control, Ready, bind=True)
         try:
@@ -109,7 +109,6 @@ class LocalWorkerRanks:
                 world,
                 min(r.num_blocks for r in ready),
                 is_alive=self.dead_rank,
-                max_in_flight=config.parallel.pipeline_parallel_size,
             )
             self.executor.wait_ready()
         except BaseException:

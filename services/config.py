@@ -415,11 +415,12 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from vLLM-style keyword names (``max_num_seqs=...``); unknown names are errors."""
         cfg = cls()
-        owner = {f.name: getattr(cfg, s) for s in _SECTIONS for f in fields(getattr(cfg, s))}
+        owner = {f.name: (getattr(cfg, s), f) for s in _SECTIONS for f in fields(getattr(cfg, s))}
         for key, value in kwargs.items():
             if key not in owner:
                 raise ConfigError(f"unknown engine argument {key!r}")
-            setattr(owner[key], key, value)
+            section, f = owner[key]
+            setattr(section, key, _coerce(f, value))
         cfg.validate()
         return cfg
 
@@ -430,11 +431,14 @@ class EngineConfig:
         return {f.name for s in _SECTIONS for f in fields(getattr(cfg, s))}
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+    def cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The engine flags the user gave (unset flags are None and left out)."""
         names = cls.flag_names()
-        return cls.from_kwargs(
-            **{k: v for k, v in vars(args).items() if k in names and v is not None}
-        )
+        return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls.from_kwargs(**cls.cli_kwargs(args))
 
     def validate(self) -> None:
         c, s, m, w = self.cache, self.scheduler, self.model, self.worker
@@ -508,6 +512,34 @@ class EngineConfig:
                 "a long prompt could never be scheduled; raise it or enable chunked prefill"
             )
         self.parallel.check_fits(arch, device)
+
+
+def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
+    """``value`` as field ``f``'s type: a string goes through the flag's parser (so
+    ``max_model_len="2k"`` works offline as on the CLI); anything else of the wrong type
+    is a ConfigError, not a TypeError deep in start-up."""
+    kinds = str(f.type).replace(" ", "").split("|")
+    base = kinds[0]
+    if value is None:
+        if "None" in kinds:
+            return None
+        raise ConfigError(f"{f.name} must not be None")
+    if isinstance(value, str) and base in ("int", "float"):
+        parse = f.metadata.get("flag", {}).get("type") or {"int": int, "float": float}[base]
+        try:
+            value = parse(value)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ConfigError(f"{f.name} must be {base}, got {value!r}") from None
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = {
+        "int": numeric and isinstance(value, int),
+        "float": numeric,
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[base]
+    if not ok:
+        raise ConfigError(f"{f.name} must be {base}, got {value!r}")
+    return float(value) if base == "float" else value
 
 
 def _check_choice(flag: str, value: object, choices: Any) -> None:

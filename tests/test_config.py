@@ -63,3 +63,27 @@ def test_max_model_len_from_the_model(extra: dict, given: int | None, expected) 
         return
     config.finalize(arch)
     assert config.scheduler.max_model_len == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"max_model_len": "2k"}, ("scheduler", "max_model_len", 2000)),  # the CLI's parser
+        ({"tensor_parallel_size": "2"}, ("parallel", "tensor_parallel_size", 2)),
+        ({"gpu_memory_utilization": 1}, ("cache", "gpu_memory_utilization", 1.0)),
+        ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be bool"),
+        ({"block_size": 16.0}, "block_size must be int"),
+        ({"max_num_seqs": True}, "max_num_seqs must be int"),
+        ({"max_model_len": "long"}, "max_model_len must be int"),
+        ({"seed": None}, "seed must not be None"),
+    ],
+)
+def test_engine_arguments_are_typed(kwargs: dict, expected) -> None:
+    """Offline keyword arguments get the CLI's types, or a ConfigError naming the argument."""
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            EngineConfig.from_kwargs(**kwargs)
+        return
+    section, name, value = expected
+    got = getattr(getattr(EngineConfig.from_kwargs(**kwargs), section), name)
+    assert got == value and type(got) is type(value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from services.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -110,7 +110,6 @@ class SimExecutor(Executor):
 
     def __init__(self, num_blocks: int, block_size: int, depth: int) -> None:
         self.num_blocks = num_blocks
-        self.max_in_flight = depth
         self.sampler = SimWorker(num_blocks, block_size)
         self.follower = SimWorker(num_blocks, block_size, samples=False) if depth > 1 else None
         self.results: dict[int, StepResult] = {}
@@ -129,8 +128,24 @@ class SimExecutor(Executor):
         return self.results.pop(step_id)
 
 
+def _one_token_prompts(n: int, abort: dict[int, int]) -> list[Spec]:
+    return [Spec(f"r{i}", 0, [1], None, 0, False, [], 0, None, abort.get(i)) for i in range(n)]
+
+
+# Found by this test: with 3 plans in flight, a request preempted and resumed while its
+# old plan was still out got that plan's token (the scheduler's admitted_step_id check).
+_STALE_RESULT_AFTER_RESUME = (
+    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=False,
+                    max_model_len=MAX_MODEL_LEN),
+    CacheConfig(block_size=1),
+    42,
+    _one_token_prompts(7, abort={1: 0}),
+)  # fmt: skip
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.sampled_from([1, 1, 2, 3]))
+@example(_STALE_RESULT_AFTER_RESUME, 3)
 def test_random_workloads_match_unlimited_memory(workload, depth):
     """Also with a pipeline of ``depth`` stages: plans in flight while the next are made."""
     sched_cfg, cache_cfg, num_blocks, specs = workload

@@ -47,12 +47,8 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     worker: WorkerBackend = backend(engine, folder, parallel)
     num_blocks = worker.determine_num_blocks()
     assert engine.scheduler.max_model_len is not None
-    check_kv_capacity(
-        num_blocks,
-        engine.cache.block_size,
-        engine.scheduler.max_model_len,
-        logger if parallel.rank == 0 else None,
-    )
+    # Fail early when this rank cannot hold one request; the scheduler logs the pool.
+    check_kv_capacity(num_blocks, engine.cache.block_size, engine.scheduler.max_model_len)
     worker.initialize_kv_cache(num_blocks)
     plans = SubSocket[StepPlan](endpoints.step_plans, StepPlan)
     results = (

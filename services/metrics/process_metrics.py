@@ -15,9 +15,12 @@ from services.config import ServeConfig
 from services.metrics.registry import LABEL_NAMES, STEP_TIME_BUCKETS, label_values
 
 
-def _histogram(config: ServeConfig, name: str, doc: str, engine_index: int = 0) -> Any:
-    return Histogram(name, doc, LABEL_NAMES, buckets=STEP_TIME_BUCKETS, registry=None).labels(
-        *label_values(config, engine_index)
+def _histogram(
+    config: ServeConfig, name: str, doc: str, engine_index: int = 0, **extra_labels: str
+) -> Any:
+    labels = (*LABEL_NAMES, *extra_labels)
+    return Histogram(name, doc, labels, buckets=STEP_TIME_BUCKETS, registry=None).labels(
+        *label_values(config, engine_index), *extra_labels.values()
     )
 
 
@@ -36,13 +39,9 @@ def detokenizer_time(config: ServeConfig) -> Any:
 def worker_forward_time(config: ServeConfig, rank: int = 0, engine_index: int = 0) -> Any:
     """``actorserve:worker_forward_time_seconds{rank}``: one StepPlan executed by worker
     rank ``rank`` (its collectives' waits included)."""
-    return Histogram(
-        "actorserve:worker_forward_time_seconds",
-        "Time a worker rank spent executing one step (inputs, forward, sampling).",
-        (*LABEL_NAMES, "rank"),
-        buckets=STEP_TIME_BUCKETS,
-        registry=None,
-    ).labels(*label_values(config, engine_index), str(rank))
+    return _histogram(config, "actorserve:worker_forward_time_seconds",
+                      "Time a worker rank spent executing one step (inputs, forward, sampling).",
+                      engine_index, rank=str(rank))  # fmt: skip
 
 
 def api_requests(model_name: str, engine_index: int = 0) -> Any:

@@ -29,12 +29,14 @@ class EngineCore:
         self, config: EngineConfig, executor: Executor, *, enable_kv_cache_events: bool = False
     ) -> None:
         self.executor = executor
+        # One plan in flight per pipeline stage: the stages work on different micro-batches.
+        self.pipeline_depth = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
             executor.num_blocks,
             enable_kv_cache_events=enable_kv_cache_events,
-            pipeline_depth=config.parallel.pipeline_parallel_size,
+            pipeline_depth=self.pipeline_depth,
         )
         self.last_execute_s = 0.0  # the wait for the workers in the last step, for metrics
         self._in_flight: deque[StepPlan] = deque()  # submitted, result not yet taken in
@@ -56,12 +58,12 @@ class EngineCore:
         return bool(self._in_flight) or s.has_unfinished_requests() or s.has_finished_requests()
 
     def step(self) -> tuple[StepPlan, list[RequestTokens]]:
-        """One step: submit plans until ``max_in_flight`` are out (vLLM's batch queue: with
+        """One step: submit plans until ``pipeline_depth`` are out (vLLM's batch queue: with
         pipeline parallelism each stage works on its own micro-batch), then take in the
         oldest one's result. A plan with nothing to compute still tells the workers what
         finished; one with nothing at all is not sent."""
         self.last_execute_s = 0.0
-        while len(self._in_flight) < self.executor.max_in_flight:
+        while len(self._in_flight) < self.pipeline_depth:
             plan = self.scheduler.schedule()
             if plan.is_empty and not plan.finished_req_ids:
                 if not self._in_flight:

@@ -35,12 +35,11 @@ class Executor(ABC):
     """Runs every StepPlan on every worker rank, in order, and returns the output rank's
     StepResult. ``num_blocks`` is the KV cache blocks every rank can hold.
 
-    ``max_in_flight`` plans may be submitted before the oldest result is collected
-    (the pipeline's depth: one per stage); ``collect`` returns results in plan order.
+    Several plans may be submitted before the oldest result is collected (the engine
+    core keeps one in flight per pipeline stage); ``collect`` returns them in plan order.
     """
 
     num_blocks: int
-    max_in_flight: int = 1
 
     @abstractmethod
     def submit(self, plan: StepPlan) -> None: ...
@@ -71,9 +70,7 @@ class UniprocExecutor(Executor):
         self.worker = backend(config, folder, SINGLE_RANK)
         self.num_blocks = self.worker.determine_num_blocks()
         assert config.scheduler.max_model_len is not None
-        check_kv_capacity(
-            self.num_blocks, config.cache.block_size, config.scheduler.max_model_len, logger
-        )
+        check_kv_capacity(self.num_blocks, config.cache.block_size, config.scheduler.max_model_len)
         self.worker.initialize_kv_cache(self.num_blocks)
         self._result: StepResult | None = None
 
@@ -102,11 +99,9 @@ class MultiprocExecutor(Executor):
         num_ranks: int,
         num_blocks: int,
         is_alive: Callable[[], str | None] | None = None,
-        max_in_flight: int = 1,
     ) -> None:
         self.num_ranks = num_ranks
         self.num_blocks = num_blocks
-        self.max_in_flight = max_in_flight
         self._plans = XPubSocket[StepPlan](plans_endpoint, StepPlan, bind=True)
         self._results = PullSocket[StepResult](results_endpoint, StepResult, bind=True)
         self._is_alive = is_alive

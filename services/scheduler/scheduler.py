@@ -78,7 +78,10 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len or sys.maxsize
         if scheduler_config.max_model_len:
-            check_kv_capacity(num_blocks, cache_config.block_size, scheduler_config.max_model_len)
+            # Logged here, once, with the pool every rank can hold (the smallest rank's).
+            check_kv_capacity(
+                num_blocks, cache_config.block_size, scheduler_config.max_model_len, logger
+            )
         metrics = None
         if cache_config.kv_cache_metrics:
             metrics = KVCacheMetrics(cache_config.kv_cache_metrics_sample)

@@ -55,7 +55,6 @@ class EngineCoreProc:
             ep.step_results,
             engine.parallel.world_size,
             config.num_blocks,
-            max_in_flight=engine.parallel.pipeline_parallel_size,
         )
         self.core = EngineCore(
             engine,

@@ -259,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        if self.arch.tie_word_embeddings and self.model.embed_tokens is not None:
+        if self.arch.tie_word_embeddings and self.parallel.is_last_stage:
             self._tied_lm_head = pack_linear_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
