@@ -135,6 +135,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's worker ranks (with --nnodes, on --node-rank > 0)",
+    )
+    p.add_argument(
         "--kv-events-endpoint",
         default=None,
         help="publish KV cache events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557)",

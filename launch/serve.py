@@ -25,7 +25,12 @@ import msgspec
 
 from launch.child import CONTROL_ENV
 from launch.process import Child, ProcessGroup
-from launch.workers import missing_ranks, resolve_master_port, start_worker_ranks
+from launch.workers import (
+    cross_node_endpoints,
+    missing_ranks,
+    resolve_master_port,
+    start_worker_ranks,
+)
 from services.config import ConfigError, Endpoints, EngineConfig, ModelArchConfig, ServeConfig
 from services.ipc import IpcDir, PullSocket, PushSocket
 from services.logging_utils import init_logger
@@ -91,9 +96,16 @@ class Launcher:
                 raise KeyboardInterrupt
             dead = self.group.first_dead()
             if dead is not None:
+                not_ready = ""
+                if expected["worker"]:
+                    workers = [r for r in got if r.role == "worker"]
+                    names = missing_ranks(workers, self.config.engine.parallel)
+                    others = [n for n in names if n != dead.name]
+                    if others:
+                        not_ready = f"; not ready: {', '.join(others)}"
                 raise StartupError(
                     f"the {dead.name} process exited with code {dead.popen.returncode} "
-                    "during start-up (its error is above)"
+                    f"during start-up (its error is above){not_ready}"
                 )
             if time.monotonic() > deadline:
                 what = ", ".join(f"{n} {role}" for role, n in (+expected).items())
@@ -177,6 +189,38 @@ class Launcher:
         self._stop_requested = True
 
 
+def run_headless(config: ServeConfig) -> int:
+    """``--headless`` on node R > 0: run this node's worker ranks, which join node 0's
+    engine core, until one dies (exit 1) or SIGTERM (exit 0)."""
+    parallel = config.engine.parallel
+    group = ProcessGroup()
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    start_worker_ranks(group, config, {CONTROL_ENV: config.endpoints.control})
+    ranks = parallel.local_ranks
+    print(
+        f"actorserve node {parallel.node_rank}: worker ranks {ranks.start}-{ranks.stop - 1} "
+        f"of {parallel.world_size}, joining {parallel.master_addr}:{parallel.master_port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while not stop:
+            dead = group.first_dead()
+            if dead is not None:
+                logger.error(
+                    "the %s process died (exit code %s); stopping this node",
+                    dead.name,
+                    dead.popen.returncode,
+                )
+                return 1
+            time.sleep(_POLL_MS / 1000)
+        return 0
+    finally:
+        group.stop_all()
+
+
 def run_server(args: object) -> int:
     engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
     model = engine.model.model
@@ -187,6 +231,7 @@ def run_server(args: object) -> int:
     ipc = IpcDir()
     endpoints = Endpoints(**{name: ipc.endpoint(name) for name in _SOCKETS})
     endpoints.kv_events = a.get("kv_events_endpoint")
+    cross_node_endpoints(endpoints, engine.parallel)
     config = ServeConfig(
         engine=engine,
         endpoints=endpoints,
@@ -207,6 +252,17 @@ def run_server(args: object) -> int:
         raise ConfigError("--tokenizer-workers must be at least 1")
     if config.log_stats_interval <= 0:
         raise ConfigError("--log-stats-interval must be positive")
+    node_rank = engine.parallel.node_rank
+    if bool(a.get("headless")) != (node_rank > 0):
+        raise ConfigError(
+            "node 0 runs the API server and the scheduler: give --headless exactly on the "
+            f"other nodes (--node-rank > 0); this is node {node_rank}"
+        )
+    if node_rank > 0:
+        try:
+            return run_headless(config)
+        finally:
+            ipc.cleanup()
     launcher = Launcher(config, ipc)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     signal.signal(signal.SIGINT, launcher.request_stop)

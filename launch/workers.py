@@ -48,7 +48,8 @@ def worker_name(rank: int, dp_rank: int, data_parallel_size: int) -> str:
 def start_worker_ranks(
     group: ProcessGroup, config: ServeConfig, env: dict[str, str], dp_rank: int = 0
 ) -> list[Child]:
-    """``python -m launch.child worker RANK DP_RANK`` for every rank of one engine core."""
+    """``python -m launch.child worker RANK DP_RANK`` for every rank of one engine core that
+    runs on this node."""
     payload = msgspec.json.encode(config)
     parallel = config.engine.parallel
     return [
@@ -59,8 +60,21 @@ def start_worker_ranks(
             env,
             args=("worker", str(rank), str(dp_rank)),
         )
-        for rank in range(parallel.world_size)
+        for rank in parallel.local_ranks
     ]
+
+
+def cross_node_endpoints(endpoints: Endpoints, parallel: ParallelConfig) -> None:
+    """With ``--nnodes`` > 1, the sockets that worker ranks on other machines reach become
+    TCP on node 0's ``--master-addr`` (bound there, never on every interface), at the ports
+    after ``--master-port``, so every node derives them from the same flags."""
+    if parallel.nnodes == 1:
+        return
+    assert parallel.master_port is not None
+    base = f"tcp://{parallel.master_addr}"
+    endpoints.step_plans = f"{base}:{parallel.master_port + 1}"
+    endpoints.step_results = f"{base}:{parallel.master_port + 2}"
+    endpoints.control = f"{base}:{parallel.master_port + 3}"
 
 
 def missing_ranks(ready: list[Ready], parallel: ParallelConfig) -> list[str]:

@@ -301,8 +301,17 @@ class ParallelConfig:
             aliases=("-dp",),
         ),
     )
+    nnodes: int = field(
+        default=1, metadata=_flag("machines the worker ranks of one engine core span")
+    )
+    node_rank: int = field(
+        default=0, metadata=_flag("this machine's place among --nnodes (0 runs the server)")
+    )
     master_addr: str = field(
-        default="127.0.0.1", metadata=_flag("address of rank 0's torch.distributed store")
+        default="127.0.0.1",
+        metadata=_flag(
+            "node 0's address: the torch.distributed store and, across nodes, the plans"
+        ),
     )
     master_port: int | None = field(
         default=None, metadata=_flag("port of that store (default: a free one)")
@@ -317,6 +326,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_ranks(self) -> range:
+        """The worker ranks this node runs: node k holds the k-th equal share."""
+        per_node = self.world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
         """Each pipeline stage's layers ``[start, end)``: ``--pp-layer-partition``, else an
@@ -354,6 +369,23 @@ class ParallelConfig:
                 f"--pp-layer-partition must be comma-separated layer counts, got "
                 f"{self.pp_layer_partition!r}"
             )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank must be in [0, --nnodes), got {self.node_rank} of {self.nnodes}"
+            )
+        if self.nnodes > 1:
+            if self.world_size % self.nnodes:
+                raise ConfigError(
+                    f"the {self.world_size} worker ranks (tensor x pipeline parallel size) must "
+                    f"divide evenly over --nnodes {self.nnodes}"
+                )
+            if self.master_port is None:
+                raise ConfigError("--nnodes > 1 needs --master-port: every node must give the same")
+            if self.data_parallel_size > 1:
+                raise ConfigError(
+                    "--nnodes > 1 spreads one engine core's ranks over machines; data "
+                    "parallelism across machines (--data-parallel-address) is not supported yet"
+                )
         if self.distributed_timeout <= 0:
             raise ConfigError("--distributed-timeout must be positive")
 
@@ -380,7 +412,7 @@ class ParallelConfig:
                 f"parallel size ({tp})"
             )
         self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
-        ranks = self.world_size * self.data_parallel_size
+        ranks = len(self.local_ranks) * self.data_parallel_size  # on this machine
         if ranks == 1:
             return
         if device == "cuda":

@@ -131,6 +131,30 @@ def hf_greedy_tokens(hf_reference: HFReference, greedy_prompts: list[list[int]])
     return [hf_reference.greedy(p, NUM_GREEDY_TOKENS) for p in greedy_prompts]
 
 
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (``--load-format dummy``) with 4 query heads, 1 KV head and a
+    vocabulary of 49155: the default model's tokenizer plus 3 ids it never produces, so a
+    2-way vocabulary split pads the last rank. Heads divide by 2 and 4, unlike the default's 9."""
+    import json
+    import shutil
+
+    from services.model_loader import prepare_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    default = prepare_model(None)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default / name, folder / name)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49155, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 # ---- the HTTP layer on a fake engine (tests/fake_engine.py); test_server.py has its own
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ import pytest
 
 from services.config import ConfigError
 from services.engine import LLM, SamplingParams
-from services.model_loader import prepare_model
 from tests.conftest import NUM_GREEDY_TOKENS
 from tests.server_utils import RemoteServer
 
@@ -60,24 +58,6 @@ def test_tp3_offline_equals_hf(greedy_prompts, hf_greedy_tokens) -> None:
     while _children_of_this_process() - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _children_of_this_process() - before  # close() ended the ranks
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory) -> Path:
-    """A random 2-layer Llama with 4 query heads, 1 KV head and a vocabulary of 49155 (the
-    default model's tokenizer, plus 3 ids it never produces: padding on the last rank)."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    default = prepare_model(None)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default / name, folder / name)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 49155, "hidden_size": 128,
-        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def test_tp2_replicated_kv_head_and_padded_vocab_equal_tp1(small_model: Path) -> None:
@@ -204,3 +184,19 @@ def test_kill9_one_rank_fails_requests_and_leaves_nothing(tp3_server: RemoteServ
     assert tp3_server.wait_exit(30) not in (None, 0)
     assert tp3_server.wait_all_gone(15) == []
     assert "worker rank 1 process died" in tp3_server.log
+
+
+def test_offline_rank_death_is_an_error_not_a_hang(small_model: Path) -> None:
+    import threading
+
+    from services.scheduler.executor import WorkerDied
+
+    kwargs = {"model": str(small_model), "load_format": "dummy", "max_model_len": 512}
+    with LLM(tensor_parallel_size=2, **kwargs) as llm:
+        ranks = [p for p in psutil.Process().children() if p.cmdline()[-3:-1] == ["worker", "1"]]
+        assert len(ranks) == 1
+        threading.Timer(0.5, lambda: os.kill(ranks[0].pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(WorkerDied, match="worker rank 1 process exited with code -9"):
+            llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=500, ignore_eos=True))
+        assert time.monotonic() - start < 30

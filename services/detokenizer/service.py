@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import tokenizers
@@ -226,7 +227,7 @@ def serve_detokenizer(
 
 def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     """Child-process entry point: load the tokenizer, bind, report READY, serve."""
-    from services.tokenizer.loader import load_serving_tokenizer
+    from services.model_loader import load_tokenizer
 
     ep = config.endpoints
     endpoints = DetokenizerEndpoints(
@@ -237,7 +238,8 @@ def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
         ),
         api_server=ep.api_outputs,
     )
-    tokenizer = load_serving_tokenizer(config.model_folder).tokenizer
+    # The launcher prepared the folder (a GGUF converted, a dummy's config checked).
+    tokenizer = load_tokenizer(Path(config.model_folder)).tokenizer
     bound = threading.Event()
 
     def report_when_bound() -> None:

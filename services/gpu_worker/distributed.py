@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.config import ModelArchConfig, ParallelConfig
+from services.config import ConfigError, ModelArchConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ def init_distributed(
     """Join the group of ``parallel.world_size`` ranks (a no-op for one rank) and make
     one TP group per pipeline stage.
 
-    Raises ``RuntimeError`` naming this rank, the address and the timeout when the group
-    does not form in time (a rank that never started, or a wrong address)."""
+    Raises ``ConfigError`` naming this rank, the address and the timeout when the group
+    does not form in time (a rank or node that never started, or a wrong address)."""
     world = parallel.world_size
     if world == 1:
         return SINGLE_RANK
@@ -129,7 +129,7 @@ def init_distributed(
             timeout=datetime.timedelta(seconds=parallel.distributed_timeout),
         )
     except (RuntimeError, ValueError) as e:  # torch raises DistStoreError (a RuntimeError)
-        raise RuntimeError(
+        raise ConfigError(
             f"worker rank {rank}: the group of {world} ranks did not form at {address} "
             f"within {parallel.distributed_timeout:.0f} s ({e})"
         ) from None

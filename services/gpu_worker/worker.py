@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+import zmq
+
 from services.config import ModelArchConfig, ServeConfig
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed
@@ -59,8 +61,18 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     forward_time = worker_forward_time(config, rank, dp_rank)
     trace = StepTrace.from_env(rank, dp_rank)
     report_ready(control_endpoint, "worker", num_blocks, rank, dp_rank)
+    # The scheduler going away (its process, or node 0 for a rank on another machine)
+    # shows as the plan socket's peer disconnecting: end then, never wait forever.
+    lost = plans.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    poller = zmq.Poller()
+    poller.register(plans.socket, zmq.POLLIN)
+    poller.register(lost, zmq.POLLIN)
     while True:
-        plan = plans.recv()
+        ready = dict(poller.poll())
+        if lost in ready:
+            logger.error("worker rank %d lost the scheduler at %s; exiting", rank, plans.endpoint)
+            raise SystemExit(1)
+        plan = plans.recv_nowait()
         if plan is None:
             continue
         start = time.perf_counter()

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from services.config import ServeConfig
@@ -138,7 +139,7 @@ def serve_tokenizer(
 
 def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     """Child-process entry point: load the tokenizer, report READY, serve."""
-    from services.tokenizer.loader import load_serving_tokenizer
+    from services.model_loader import load_tokenizer
 
     ep = config.endpoints
     dp = config.engine.parallel.data_parallel_size
@@ -153,7 +154,7 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     cache = config.engine.cache
     balancer = DataParallelBalancer(dp, cache.block_size, cache.prefix_caching_hash_algo)
     processor = RequestProcessor(
-        load_serving_tokenizer(config.model_folder), config.engine.scheduler.max_model_len
+        load_tokenizer(Path(config.model_folder)), config.engine.scheduler.max_model_len
     )
     from services.metrics.process_metrics import tokenizer_time
 
