@@ -62,7 +62,9 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     trace = StepTrace.from_env(rank, dp_rank)
     report_ready(control_endpoint, "worker", num_blocks, rank, dp_rank)
     # The scheduler going away (its process, or node 0 for a rank on another machine)
-    # shows as the plan socket's peer disconnecting: end then, never wait forever.
+    # shows as the plan socket's peer disconnecting: end then, never wait forever. Exit 0:
+    # in a shutdown that is the expected end, and after a crash whoever supervises this
+    # process (the launcher on this node) sees an unexpected exit all the same.
     lost = plans.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     poller = zmq.Poller()
     poller.register(plans.socket, zmq.POLLIN)
@@ -70,8 +72,10 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     while True:
         ready = dict(poller.poll())
         if lost in ready:
-            logger.error("worker rank %d lost the scheduler at %s; exiting", rank, plans.endpoint)
-            raise SystemExit(1)
+            logger.info(
+                "worker rank %d: the scheduler at %s went away; exiting", rank, plans.endpoint
+            )
+            raise SystemExit(0)
         plan = plans.recv_nowait()
         if plan is None:
             continue
