@@ -9,14 +9,16 @@ pins a request, and that ``/metrics`` carries each engine's series.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 import openai
 import pytest
 
-from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, EngineState
+from services.ipc import SubSocket
+from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, EngineState, KVEventBatch
 from services.tokenizer.balancer import DataParallelBalancer
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 4
@@ -56,9 +58,13 @@ def test_balancer_prefix_affinity_within_the_slack_only() -> None:
     assert b.cached_blocks(prompt, None) == [0, 0]
 
 
+KV_EVENTS_PORT = free_port()  # engine d publishes on this port + d
+
+
 @pytest.fixture(scope="module")
 def dp_server():
-    with RemoteServer("-dp", "2") as s:
+    endpoint = f"tcp://127.0.0.1:{KV_EVENTS_PORT}"
+    with RemoteServer("-dp", "2", "--kv-events-endpoint", endpoint) as s:
         yield s.wait_ready()
 
 
@@ -111,3 +117,52 @@ def test_pinned_rank_and_per_engine_metrics(dp_server) -> None:
     for engine in ("0", "1"):
         assert f'vllm:num_requests_running{{engine="{engine}"' in text
         assert f'vllm:kv_cache_usage_perc{{engine="{engine}"' in text
+
+
+def test_kv_events_carry_the_data_parallel_rank(dp_server) -> None:
+    subs = [
+        SubSocket[KVEventBatch](f"tcp://127.0.0.1:{KV_EVENTS_PORT + d}", KVEventBatch)
+        for d in (0, 1)
+    ]
+    try:
+        time.sleep(0.5)  # PUB/SUB: the subscriptions must arrive before the events
+        prompt = "A prompt long enough to fill a few blocks of sixteen tokens, " * 3
+        _completion(dp_server.url, prompt, {"X-data-parallel-rank": "1"})
+        batch = subs[1].recv(timeout_ms=10_000)
+        assert batch is not None and batch.data_parallel_rank == 1 and batch.events
+        assert subs[0].recv(timeout_ms=500) is None  # engine 0 stored nothing
+    finally:
+        for sub in subs:
+            sub.close()
+
+
+def test_dp2_with_tp2_is_four_workers(small_model) -> None:
+    """-dp 2 -tp 2: two engine cores of two ranks each, every one serving the same tokens."""
+    from services.engine import LLM, SamplingParams
+
+    args = ["--model", str(small_model), "--load-format", "dummy", "--seed", "5",
+            "--max-model-len", "256", "-dp", "2", "-tp", "2"]  # fmt: skip
+    prompt = [1, 100, 200, 300]
+    want = (
+        LLM(model=str(small_model), load_format="dummy", seed=5, max_model_len=256)
+        .generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    with RemoteServer(*args) as server:
+        server.wait_ready()
+        workers = [p for p in server.processes() if "worker" in " ".join(p.cmdline())]
+        assert sorted(p.cmdline()[-2:] for p in workers) == [
+            ["0", "0"],
+            ["0", "1"],
+            ["1", "0"],
+            ["1", "1"],
+        ]  # (rank, engine)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        for engine in ("0", "1"):
+            out = client.completions.create(
+                model=str(small_model), prompt=prompt, max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+                extra_headers={"X-data-parallel-rank": engine},
+            )  # fmt: skip
+            assert out.choices[0].token_ids == want  # type: ignore[attr-defined]
