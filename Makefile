@@ -33,6 +33,7 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check services kernels launch bench tests
 	$(BIN)/ruff format --check services kernels launch bench tests
+	$(BIN)/mypy services launch
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.forward

@@ -49,7 +49,7 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
             ep.api_outputs,
             tuple(e.engine_core for e in ep.engines(config.engine.parallel.data_parallel_size)),
         ),
-        max_model_len=config.engine.scheduler.max_model_len,
+        max_model_len=config.engine.scheduler.resolved_max_model_len,
     )
     settings = ServerSettings(
         served_model_names=config.served_model_names,

@@ -231,6 +231,13 @@ class SchedulerConfig:
     )
 
     @property
+    def resolved_max_model_len(self) -> int:
+        """``max_model_len`` once resolved (``EngineConfig.finalize`` fills it from the model)."""
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is unresolved: call EngineConfig.finalize()")
+        return self.max_model_len
+
+    @property
     def token_budget(self) -> int:
         """``max_num_batched_tokens`` once resolved (``EngineConfig.finalize`` fills the default)."""
         if self.max_num_batched_tokens is None:
@@ -586,7 +593,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     cfg = EngineConfig()
     for section in _SECTIONS:
         obj = getattr(cfg, section)
-        group = parser.add_argument_group(section, type(obj).__doc__.splitlines()[0])
+        group = parser.add_argument_group(section, (type(obj).__doc__ or "").splitlines()[0])
         for f in fields(obj):
             spec = f.metadata.get("flag")
             if spec is None:

@@ -98,8 +98,8 @@ class LLM:
             )
         self.arch = arch
         self.tokenizer = load_tokenizer(folder)
-        assert self.config.scheduler.max_model_len is not None
-        self.processor = RequestProcessor(self.tokenizer, self.config.scheduler.max_model_len)
+        max_len = self.config.scheduler.resolved_max_model_len
+        self.processor = RequestProcessor(self.tokenizer, max_len)
         self._ranks: LocalWorkerRanks | None = None
         executor: Executor
         if self.config.parallel.world_size == 1:

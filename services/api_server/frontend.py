@@ -124,8 +124,10 @@ class EngineFrontend:
             self._recv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._recv_task
-            for sock in (self._requests, self._outputs, *self._engines):
-                sock.close()
+            self._requests.close()
+            self._outputs.close()
+            for engine in self._engines:
+                engine.close()
 
     def fail_all(self, message: str) -> None:
         """The engine died: mark it so and end every live request with a 503."""

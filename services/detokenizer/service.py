@@ -221,8 +221,9 @@ def serve_detokenizer(
             if batch_time is not None:
                 batch_time.observe(time.perf_counter() - start)
     finally:
-        for sock in (batches, specs, *engines, api):
-            sock.close()
+        closables: list[Any] = [batches, specs, *engines, api]
+        for closable in closables:
+            closable.close()
 
 
 def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:

@@ -48,9 +48,9 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     )
     worker: WorkerBackend = backend(engine, folder, parallel)
     num_blocks = worker.determine_num_blocks()
-    assert engine.scheduler.max_model_len is not None
     # Fail early when this rank cannot hold one request; the scheduler logs the pool.
-    check_kv_capacity(num_blocks, engine.cache.block_size, engine.scheduler.max_model_len)
+    max_len = engine.scheduler.resolved_max_model_len
+    check_kv_capacity(num_blocks, engine.cache.block_size, max_len)
     worker.initialize_kv_cache(num_blocks)
     plans = SubSocket[StepPlan](endpoints.step_plans, StepPlan)
     results = (

@@ -69,8 +69,8 @@ class UniprocExecutor(Executor):
         )
         self.worker = backend(config, folder, SINGLE_RANK)
         self.num_blocks = self.worker.determine_num_blocks()
-        assert config.scheduler.max_model_len is not None
-        check_kv_capacity(self.num_blocks, config.cache.block_size, config.scheduler.max_model_len)
+        max_len = config.scheduler.resolved_max_model_len
+        check_kv_capacity(self.num_blocks, config.cache.block_size, max_len)
         self.worker.initialize_kv_cache(self.num_blocks)
         self._result: StepResult | None = None
 

@@ -133,8 +133,9 @@ def serve_tokenizer(
                 logger.exception("tokenizer failed on request %s", req_id)
                 api.send(RequestError(req_id, 500, f"tokenizer error: {e}", "InternalServerError"))
     finally:
-        for sock in (requests, *engines, *states, specs, api):
-            sock.close()
+        closables: list[Any] = [requests, *engines, *states, specs, api]
+        for closable in closables:
+            closable.close()
 
 
 def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
@@ -154,7 +155,7 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     cache = config.engine.cache
     balancer = DataParallelBalancer(dp, cache.block_size, cache.prefix_caching_hash_algo)
     processor = RequestProcessor(
-        load_tokenizer(Path(config.model_folder)), config.engine.scheduler.max_model_len
+        load_tokenizer(Path(config.model_folder)), config.engine.scheduler.resolved_max_model_len
     )
     from services.metrics.process_metrics import tokenizer_time
 

@@ -260,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
         if self.arch.tie_word_embeddings and self.parallel.is_last_stage:
+            assert self.model.embed_tokens is not None  # the last stage keeps it when tied
             self._tied_lm_head = pack_linear_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
