@@ -74,9 +74,13 @@ class Launcher:
         self._stop_requested = False
         self._ready: list[Ready] = []  # READYs received, not yet waited for
 
-    def _start(self, role: str, *extra: str) -> Child:
+    def _start(self, role: str, *extra: str, name: str | None = None) -> Child:
         return self.group.start(
-            role, "launch.child", msgspec.json.encode(self.config), self._env, args=(role, *extra)
+            name or role,
+            "launch.child",
+            msgspec.json.encode(self.config),
+            self._env,
+            args=(role, *extra),
         )
 
     def _wait_ready(self, expected: Counter[str], timeout_s: float) -> list[Ready]:
@@ -129,7 +133,9 @@ class Launcher:
         for d in range(dp):
             # Every rank holds its shard of every block: the smallest rank sets the pool.
             self.config.num_blocks = min(w.num_blocks for w in workers if w.engine == d)
-            self._start("scheduler", "0", str(d))
+            self._start(
+                "scheduler", "0", str(d), name="scheduler" if dp == 1 else f"engine {d} scheduler"
+            )
         self._wait_ready(
             Counter(scheduler=dp, detokenizer=1, tokenizer=self.config.tokenizer_workers), 300
         )
@@ -208,6 +214,10 @@ def run_headless(config: ServeConfig) -> int:
     try:
         while not stop:
             dead = group.first_dead()
+            if dead is not None and dead.popen.returncode == 0:
+                # A rank ends cleanly when its scheduler, on node 0, went away.
+                logger.info("node 0 went away (%s exited); stopping this node", dead.name)
+                return 0
             if dead is not None:
                 logger.error(
                     "the %s process died (exit code %s); stopping this node",

@@ -516,6 +516,12 @@ class EngineConfig:
         if w.num_threads is not None and w.num_threads < 1:
             raise ConfigError(f"--num-threads must be at least 1, got {w.num_threads}")
         self.parallel.validate()
+        if self.parallel.data_parallel_size > 1 and c.prefix_caching_hash_algo == "builtin":
+            raise ConfigError(
+                "--prefix-caching-hash-algo builtin hashes differ from process to process, so "
+                "the data-parallel balancer could never match an engine's cached blocks; use "
+                "sha256 or sha256_cbor with --data-parallel-size > 1"
+            )
 
     def finalize(self, arch: ModelArchConfig) -> None:
         """Fill in what depends on the model (max_model_len) and check budgets against it."""

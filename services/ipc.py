@@ -59,9 +59,17 @@ def ipc_dir(prefix: str = "actorserve-") -> IpcDir:
     return IpcDir(prefix)
 
 
-def _make_socket(ctx: zmq.Context[Any], kind: int, endpoint: str, bind: bool) -> zmq.Socket[Any]:
+def _make_socket(
+    ctx: zmq.Context[Any],
+    kind: int,
+    endpoint: str,
+    bind: bool,
+    options: dict[int, int] | None = None,
+) -> zmq.Socket[Any]:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    for option, value in (options or {}).items():  # before connecting: some apply only then
+        sock.setsockopt(option, value)
     if kind in (zmq.PUSH, zmq.PUB, zmq.XPUB):
         sock.setsockopt(zmq.SNDHWM, 0)
     else:
@@ -107,9 +115,10 @@ class _Base(Generic[T]):
         *,
         bind: bool = False,
         ctx: zmq.Context[Any] | None = None,
+        options: dict[int, int] | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self.socket = _make_socket(ctx or self._default_ctx(), self._kind, endpoint, bind)
+        self.socket = _make_socket(ctx or self._default_ctx(), self._kind, endpoint, bind, options)
         self._encoding = _Encoding()
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(msg_type)
 

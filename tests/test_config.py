@@ -87,3 +87,8 @@ def test_engine_arguments_are_typed(kwargs: dict, expected) -> None:
     section, name, value = expected
     got = getattr(getattr(EngineConfig.from_kwargs(**kwargs), section), name)
     assert got == value and type(got) is type(value)
+
+
+def test_data_parallel_needs_a_hash_every_process_computes_alike() -> None:
+    with pytest.raises(ConfigError, match="builtin hashes differ from process to process"):
+        EngineConfig.from_kwargs(data_parallel_size=2, prefix_caching_hash_algo="builtin")

@@ -166,3 +166,37 @@ def test_dp2_with_tp2_is_four_workers(small_model) -> None:
                 extra_headers={"X-data-parallel-rank": engine},
             )  # fmt: skip
             assert out.choices[0].token_ids == want  # type: ignore[attr-defined]
+
+
+def test_requests_that_change_no_load_do_not_starve_an_engine(dp_server) -> None:
+    """A request that ends in its first step with no full block leaves its engine's load and
+    cache as they were; the engine must still report, or the balancer keeps counting it as
+    routed there and, once the other engine reports, never chooses this one again (found by
+    review). Then 6 long requests, each started once the last one runs, must alternate."""
+    import threading
+
+    client = openai.OpenAI(base_url=f"{dp_server.url}/v1", api_key="x", max_retries=0)
+    for i in range(20):
+        client.completions.create(model=MODEL, prompt=f"Hi {i}", max_tokens=1)
+    before = [_successes(dp_server, e) for e in ("0", "1")]
+
+    def stream(i: int, started: threading.Event) -> None:
+        chunks = client.completions.create(
+            model=MODEL, prompt=f"Story {i}:", max_tokens=48, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for _ in chunks:
+            started.set()
+
+    threads = []
+    for i in range(6):
+        started = threading.Event()
+        threads.append(threading.Thread(target=stream, args=(i, started)))
+        threads[-1].start()
+        assert started.wait(60)  # running: its engine has reported it
+    for t in threads:
+        t.join(120)
+    took = [
+        a - b for a, b in zip([_successes(dp_server, e) for e in ("0", "1")], before, strict=True)
+    ]
+    assert took == [3, 3], took

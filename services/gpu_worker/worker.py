@@ -52,7 +52,13 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     max_len = engine.scheduler.resolved_max_model_len
     check_kv_capacity(num_blocks, engine.cache.block_size, max_len)
     worker.initialize_kv_cache(num_blocks)
-    plans = SubSocket[StepPlan](endpoints.step_plans, StepPlan)
+    # Across machines a crashed node 0 closes no connection: heartbeats notice it.
+    heartbeat: dict[int, int] = {zmq.HEARTBEAT_IVL: 2000, zmq.HEARTBEAT_TIMEOUT: 10_000}
+    plans = SubSocket[StepPlan](
+        endpoints.step_plans,
+        StepPlan,
+        options=heartbeat if endpoints.step_plans.startswith("tcp://") else None,
+    )
     results = (
         PushSocket[StepResult](endpoints.step_results, StepResult)
         if parallel.is_output_rank

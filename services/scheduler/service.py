@@ -76,6 +76,10 @@ class EngineCoreProc:
             else None
         )
         self._last_load: tuple[int, int] = (0, 0)
+        # A request arrived since the last state: report even if the load looks the same
+        # (one that finished in its first step, or was refused), so that the balancer's
+        # count of requests routed here but not yet reported goes back to zero.
+        self._received = False
         self.metrics = EngineCoreMetrics(config, self.scheduler, logger, dp_rank)
         self.metrics.loop.count_sent_bytes(self.executor.plans_socket, "step_plans")
         self.metrics.loop.count_sent_bytes(self._detok, "detok_tokens")
@@ -128,6 +132,7 @@ class EngineCoreProc:
         if msg is None:
             return
         if isinstance(msg, TokenizedRequest):
+            self._received = True
             if msg.req_id in self._early_aborts:
                 # Aborted before it arrived: report it finished, never run it.
                 del self._early_aborts[msg.req_id]
@@ -167,8 +172,8 @@ class EngineCoreProc:
         if self._state is not None:
             sched = self.scheduler
             load = (len(sched.waiting), len(sched.running))
-            if events or load != self._last_load:
-                self._last_load = load
+            if events or load != self._last_load or self._received:
+                self._last_load, self._received = load, False
                 usage = sched.kv_cache_manager.block_pool.get_usage()
                 self._state.send(EngineState(self.dp_rank, *load, usage, events))
 
