@@ -10,124 +10,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from services.flags import (
+    ConfigError,
+    add_flags,
+    check_choice,
+    choices,
+    coerce,
+    flag,
+    parse_size,
+    parse_token_count,
+)
 from services.gpu_worker.registry import ATTENTION_BACKENDS, WORKER_BACKENDS
+from services.model_arch import ModelArchConfig
+from services.parallel_config import ParallelConfig
 from services.scheduler.block_hash import HASH_FUNCTIONS
 from services.scheduler.request_queue import REQUEST_QUEUES
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration mistake the user must fix; its message is one line."""
-
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-
-@dataclass(frozen=True)
-class ModelArchConfig:
-    """The architecture of a Llama-family decoder, read from an HF ``config.json``."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    rope_scaling: dict[str, Any] | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    # Mistral v0.1's sliding-window attention (None: none, or disabled as in Qwen2's configs).
-    # Not implemented: max_model_len is capped to it, as vLLM's --disable-sliding-window does.
-    sliding_window: int | None = None
-
-    @property
-    def derived_max_model_len(self) -> int:
-        """The longest context this model computes correctly here."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else ""
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported model architecture {arch or '(none given)'!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            # transformers >= 5 saves rope settings under "rope_parameters".
-            rope = cfg.get("rope_parameters") or {}
-            rope_scaling = cfg.get("rope_scaling") or (
-                rope if rope.get("rope_type", "default") != "default" else None
-            )
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            window = cfg.get("sliding_window")
-            if not cfg.get("use_sliding_window", True) or window is None:
-                window = None
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                rope_scaling=rope_scaling,
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                sliding_window=int(window) if window is not None else None,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"config.json is missing or has a bad value for {e}") from None
-
-
-def parse_size(text: str) -> int:
-    """'4096', '4k', '1.5G', '256MiB' -> integer (k/M/G are powers of 1024 as vLLM's parser)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
-
-
-def parse_token_count(text: str) -> int:
-    """'8192', '32k', '1m' (k = 1000 as vLLM's --max-model-len parser; 'K' = 1024)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
-    scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20, "g": 10**9, "G": 1 << 30}
-    return int(float(m.group(1)) * scale[m.group(2)])
 
 
 # Every allowed value of a choice flag is listed once, here or in the registry it names.
@@ -140,64 +42,54 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
-    """Field metadata that makes a dataclass field a CLI flag (``add_engine_args``):
-    ``--field-name``, plus ``aliases``, a ``type`` parser and ``choices`` when given."""
-    return {"flag": {"help": help, **argparse_kwargs}}
-
-
-def _choices(registry: Any) -> tuple[str, ...]:
-    return tuple(registry)
-
-
 @dataclass
 class ModelConfig:
     """Which model to serve and how to load it."""
 
     model: str | None = field(
         default=None,
-        metadata=_flag("GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
+        metadata=flag("GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
     )
     dtype: str = field(
         default="auto",
-        metadata=_flag(
+        metadata=flag(
             "weights and activations (auto: fp32 on CPU, bf16 on GPU)", choices=tuple(DTYPES)
         ),
     )
     load_format: str = field(
-        default="auto", metadata=_flag("dummy: random weights", choices=LOAD_FORMATS)
+        default="auto", metadata=flag("dummy: random weights", choices=LOAD_FORMATS)
     )
-    seed: int = field(default=0, metadata=_flag("seed of the sampler's shared generator"))
+    seed: int = field(default=0, metadata=flag("seed of the sampler's shared generator"))
 
 
 @dataclass
 class CacheConfig:
     """The paged KV cache and its prefix cache."""
 
-    block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
-    enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse cached prompt blocks"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
+    enable_prefix_caching: bool = field(default=True, metadata=flag("reuse cached prompt blocks"))
     prefix_caching_hash_algo: str = field(
-        default="sha256", metadata=_flag("block hash", choices=_choices(HASH_FUNCTIONS))
+        default="sha256", metadata=flag("block hash", choices=choices(HASH_FUNCTIONS))
     )
     kv_cache_memory_bytes: int | None = field(
         default=None,
-        metadata=_flag("KV cache size per worker rank (4GiB, 512M, ...)", type=parse_size),
+        metadata=flag("KV cache size per worker rank (4GiB, 512M, ...)", type=parse_size),
     )
     gpu_memory_utilization: float = field(
-        default=0.92, metadata=_flag("share of GPU memory for weights, activations and KV")
+        default=0.92, metadata=flag("share of GPU memory for weights, activations and KV")
     )
     cpu_kv_cache_fraction: float = field(
-        default=0.25, metadata=_flag("share of free RAM given to the KV cache on CPU")
+        default=0.25, metadata=flag("share of free RAM given to the KV cache on CPU")
     )
     num_gpu_blocks_override: int | None = field(
-        default=None, metadata=_flag("KV cache blocks, instead of measuring the memory")
+        default=None, metadata=flag("KV cache blocks, instead of measuring the memory")
     )
     kv_cache_dtype: str = "auto"
     kv_cache_metrics: bool = field(
-        default=False, metadata=_flag("sample block lifetimes for the kv_block_* metrics")
+        default=False, metadata=flag("sample block lifetimes for the kv_block_* metrics")
     )
     kv_cache_metrics_sample: float = field(
-        default=0.01, metadata=_flag("share of blocks --kv-cache-metrics samples")
+        default=0.01, metadata=flag("share of blocks --kv-cache-metrics samples")
     )
 
 
@@ -205,26 +97,26 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching: budgets per step and admission policy."""
 
-    max_num_seqs: int = field(default=256, metadata=_flag("most requests running at once"))
+    max_num_seqs: int = field(default=256, metadata=flag("most requests running at once"))
     # None: 512 on CPU, 2048 on GPU (see EngineConfig.finalize)
     max_num_batched_tokens: int | None = field(
         default=None,
-        metadata=_flag(
+        metadata=flag(
             "token budget of one step (default: 512 on CPU, 2048 on GPU)", type=parse_token_count
         ),
     )
     enable_chunked_prefill: bool = field(
-        default=True, metadata=_flag("split long prompts over several steps")
+        default=True, metadata=flag("split long prompts over several steps")
     )
     long_prefill_token_threshold: int = field(
-        default=0, metadata=_flag("most tokens of one request per step (0: no cap)")
+        default=0, metadata=flag("most tokens of one request per step (0: no cap)")
     )
     scheduling_policy: str = field(
-        default="fcfs", metadata=_flag("admission order", choices=_choices(REQUEST_QUEUES))
+        default="fcfs", metadata=flag("admission order", choices=choices(REQUEST_QUEUES))
     )
     max_model_len: int | None = field(
         default=None,
-        metadata=_flag(
+        metadata=flag(
             "longest request, prompt + output (default: the model's; resolved at start-up)",
             type=parse_token_count,
         ),
@@ -250,24 +142,22 @@ class WorkerConfig:
     """Where and how the model runs."""
 
     device: str = field(
-        default="auto", metadata=_flag("auto: CUDA if torch sees a GPU", choices=DEVICES)
+        default="auto", metadata=flag("auto: CUDA if torch sees a GPU", choices=DEVICES)
     )
     worker_backend: str = field(
         default="torch",
-        metadata=_flag(
+        metadata=flag(
             "what runs each step (services/gpu_worker/registry.py)",
-            choices=_choices(WORKER_BACKENDS),
+            choices=choices(WORKER_BACKENDS),
         ),
     )
     attention_backend: str | None = field(
         default=None,
-        metadata=_flag(
-            "default: triton on CUDA, torch on CPU", choices=_choices(ATTENTION_BACKENDS)
-        ),
+        metadata=flag("default: triton on CUDA, torch on CPU", choices=choices(ATTENTION_BACKENDS)),
     )
     num_threads: int | None = field(
         default=None,
-        metadata=_flag("torch threads per worker rank on CPU (default: cores / ranks)"),
+        metadata=flag("torch threads per worker rank on CPU (default: cores / ranks)"),
     )
 
     def resolved_device(self) -> str:
@@ -277,166 +167,6 @@ class WorkerConfig:
         import torch  # only here: config is imported by processes that never need torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@dataclass
-class ParallelConfig:
-    """How the model is split over worker ranks (torch.distributed: NCCL on CUDA, gloo on CPU).
-
-    ``world_size = tensor_parallel_size * pipeline_parallel_size`` workers; rank r is
-    TP rank ``r % tp`` of pipeline stage ``r // tp``. The engine core broadcasts each
-    StepPlan to every rank and takes the StepResult of TP rank 0 of the last stage
-    (vLLM's output rank).
-    """
-
-    tensor_parallel_size: int = field(
-        default=1,
-        metadata=_flag("worker ranks that split every layer (Megatron-style)", aliases=("-tp",)),
-    )
-    pipeline_parallel_size: int = field(
-        default=1,
-        metadata=_flag("pipeline stages, each a consecutive run of layers", aliases=("-pp",)),
-    )
-    pp_layer_partition: str | None = field(
-        default=None,
-        metadata=_flag("layers per stage, e.g. 16,14 (default: as even as possible)"),
-    )
-    data_parallel_size: int = field(
-        default=1,
-        metadata=_flag(
-            "engine cores (scheduler, KV cache, worker ranks each) behind one API server",
-            aliases=("-dp",),
-        ),
-    )
-    nnodes: int = field(
-        default=1, metadata=_flag("machines the worker ranks of one engine core span")
-    )
-    node_rank: int = field(
-        default=0, metadata=_flag("this machine's place among --nnodes (0 runs the server)")
-    )
-    master_addr: str = field(
-        default="127.0.0.1",
-        metadata=_flag(
-            "node 0's address: the torch.distributed store and, across nodes, the plans"
-        ),
-    )
-    master_port: int | None = field(
-        default=None, metadata=_flag("port of that store (default: a free one)")
-    )
-    distributed_timeout: float = field(
-        default=120.0,
-        metadata=_flag(
-            "seconds the ranks wait for each other, to form the group or in a collective"
-        ),
-    )
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def local_ranks(self) -> range:
-        """The worker ranks this node runs: node k holds the k-th equal share."""
-        per_node = self.world_size // self.nnodes
-        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
-
-    def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
-        """Each pipeline stage's layers ``[start, end)``: ``--pp-layer-partition``, else an
-        even split whose remainder goes to the first stages (the last one also samples)."""
-        pp = self.pipeline_parallel_size
-        if self.pp_layer_partition is not None:
-            sizes = [int(x) for x in self.pp_layer_partition.split(",")]
-        else:
-            sizes = [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
-        if len(sizes) != pp or sum(sizes) != num_layers or min(sizes) < 1:
-            raise ConfigError(
-                f"--pp-layer-partition {self.pp_layer_partition} must give each of the {pp} "
-                f"stages at least one layer, {num_layers} in all"
-            )
-        starts = [sum(sizes[:i]) for i in range(pp)]
-        return [(a, a + n) for a, n in zip(starts, sizes, strict=True)]
-
-    def validate(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(
-                f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
-            )
-        if self.data_parallel_size < 1:
-            raise ConfigError(
-                f"--data-parallel-size must be at least 1, got {self.data_parallel_size}"
-            )
-        if self.pipeline_parallel_size < 1:
-            raise ConfigError(
-                f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}"
-            )
-        if self.pp_layer_partition is not None and not re.fullmatch(
-            r"\d+(,\d+)*", self.pp_layer_partition
-        ):
-            raise ConfigError(
-                f"--pp-layer-partition must be comma-separated layer counts, got "
-                f"{self.pp_layer_partition!r}"
-            )
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(
-                f"--node-rank must be in [0, --nnodes), got {self.node_rank} of {self.nnodes}"
-            )
-        if self.nnodes > 1:
-            if self.world_size % self.nnodes:
-                raise ConfigError(
-                    f"the {self.world_size} worker ranks (tensor x pipeline parallel size) must "
-                    f"divide evenly over --nnodes {self.nnodes}"
-                )
-            if self.master_port is None:
-                raise ConfigError("--nnodes > 1 needs --master-port: every node must give the same")
-            if self.data_parallel_size > 1:
-                raise ConfigError(
-                    "--nnodes > 1 spreads one engine core's ranks over machines; data "
-                    "parallelism across machines (--data-parallel-address) is not supported yet"
-                )
-        if self.distributed_timeout <= 0:
-            raise ConfigError("--distributed-timeout must be positive")
-
-    def check_fits(self, arch: ModelArchConfig, device: str) -> None:
-        """The split must divide the model's heads and MLP, and the ranks must find devices."""
-        tp = self.tensor_parallel_size
-        heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
-        if heads % tp:
-            raise ConfigError(
-                f"Total number of attention heads ({heads}) must be divisible by tensor "
-                f"parallel size ({tp})."
-            )
-        # vLLM's rule: KV heads are split when there are at least as many as ranks,
-        # else each is replicated on tp / num_kv_heads ranks.
-        if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
-            raise ConfigError(
-                f"the model's {kv_heads} KV heads can be neither split over nor replicated "
-                f"on {tp} tensor-parallel ranks; use a size that divides {kv_heads} or that "
-                f"{kv_heads} divides"
-            )
-        if arch.intermediate_size % tp:
-            raise ConfigError(
-                f"the MLP width ({arch.intermediate_size}) must be divisible by tensor "
-                f"parallel size ({tp})"
-            )
-        self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
-        ranks = len(self.local_ranks) * self.data_parallel_size  # on this machine
-        if ranks == 1:
-            return
-        if device == "cuda":
-            import torch
-
-            if ranks > torch.cuda.device_count():
-                raise ConfigError(
-                    f"{ranks} worker ranks need {ranks} GPUs; torch sees "
-                    f"{torch.cuda.device_count()}"
-                )
-        elif ranks > (os.cpu_count() or 1):
-            logger.warning(
-                "%d worker ranks on %d CPU cores: each rank gets one thread and they share "
-                "cores, so this is a test of the code path, not a speed-up",
-                ranks,
-                os.cpu_count(),
-            )
 
 
 _SECTIONS = ("model", "cache", "scheduler", "worker", "parallel")
@@ -459,7 +189,7 @@ class EngineConfig:
             if key not in owner:
                 raise ConfigError(f"unknown engine argument {key!r}")
             section, f = owner[key]
-            setattr(section, key, _coerce(f, value))
+            setattr(section, key, coerce(f, value))
         cfg.validate()
         return cfg
 
@@ -483,14 +213,14 @@ class EngineConfig:
         c, s, m, w = self.cache, self.scheduler, self.model, self.worker
         if c.block_size < 1 or c.block_size & (c.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {c.block_size}")
-        _check_choice("--prefix-caching-hash-algo", c.prefix_caching_hash_algo, HASH_FUNCTIONS)
-        _check_choice("--scheduling-policy", s.scheduling_policy, REQUEST_QUEUES)
-        _check_choice("--dtype", m.dtype, DTYPES)
-        _check_choice("--load-format", m.load_format, LOAD_FORMATS)
-        _check_choice("--device", w.device, DEVICES)
-        _check_choice("--worker-backend", w.worker_backend, WORKER_BACKENDS)
+        check_choice("--prefix-caching-hash-algo", c.prefix_caching_hash_algo, HASH_FUNCTIONS)
+        check_choice("--scheduling-policy", s.scheduling_policy, REQUEST_QUEUES)
+        check_choice("--dtype", m.dtype, DTYPES)
+        check_choice("--load-format", m.load_format, LOAD_FORMATS)
+        check_choice("--device", w.device, DEVICES)
+        check_choice("--worker-backend", w.worker_backend, WORKER_BACKENDS)
         if w.attention_backend is not None:
-            _check_choice("--attention-backend", w.attention_backend, ATTENTION_BACKENDS)
+            check_choice("--attention-backend", w.attention_backend, ATTENTION_BACKENDS)
         if not (0.0 < c.gpu_memory_utilization <= 1.0):
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}"
@@ -559,61 +289,11 @@ class EngineConfig:
         self.parallel.check_fits(arch, device)
 
 
-def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
-    """``value`` as field ``f``'s type: a string goes through the flag's parser (so
-    ``max_model_len="2k"`` works offline as on the CLI); anything else of the wrong type
-    is a ConfigError, not a TypeError deep in start-up."""
-    kinds = str(f.type).replace(" ", "").split("|")
-    base = kinds[0]
-    if value is None:
-        if "None" in kinds:
-            return None
-        raise ConfigError(f"{f.name} must not be None")
-    if isinstance(value, str) and base in ("int", "float"):
-        parse = f.metadata.get("flag", {}).get("type") or {"int": int, "float": float}[base]
-        try:
-            value = parse(value)
-        except (ValueError, argparse.ArgumentTypeError):
-            raise ConfigError(f"{f.name} must be {base}, got {value!r}") from None
-    numeric = isinstance(value, int | float) and not isinstance(value, bool)
-    ok = {
-        "int": numeric and isinstance(value, int),
-        "float": numeric,
-        "bool": isinstance(value, bool),
-        "str": isinstance(value, str),
-    }[base]
-    if not ok:
-        raise ConfigError(f"{f.name} must be {base}, got {value!r}")
-    return float(value) if base == "float" else value
-
-
-def _check_choice(flag: str, value: object, choices: Any) -> None:
-    if value not in choices:
-        raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags, same names and meanings, made from the dataclass fields that
-    carry ``_flag`` metadata. Every default is None ("not given"): the dataclasses hold
-    the real defaults, shown in the help."""
+    """vLLM's engine flags, same names and meanings, one group per config section."""
     cfg = EngineConfig()
     for section in _SECTIONS:
-        obj = getattr(cfg, section)
-        group = parser.add_argument_group(section, (type(obj).__doc__ or "").splitlines()[0])
-        for f in fields(obj):
-            spec = f.metadata.get("flag")
-            if spec is None:
-                continue
-            spec = dict(spec)
-            names = [f"--{f.name.replace('_', '-')}", *spec.pop("aliases", ())]
-            default = getattr(obj, f.name)
-            if default is not None and "default" not in spec["help"]:
-                spec["help"] += f" (default: {default})"
-            if str(f.type).startswith("bool"):
-                spec["action"] = argparse.BooleanOptionalAction
-            elif "type" not in spec and "choices" not in spec:
-                spec["type"] = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            group.add_argument(*names, dest=f.name, default=None, **spec)
+        add_flags(parser, section, getattr(cfg, section))
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""Configuration fields as command-line flags, and the checks every flag value gets.
+
+A dataclass field becomes a flag when its metadata carries ``flag(help, ...)``:
+``--field-name`` (plus aliases), typed from the annotation or the ``type`` parser given.
+``add_flags`` builds the argparse group of a dataclass instance; ``coerce`` gives a
+keyword argument (the offline ``LLM``'s) the type the CLI would have given it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration mistake the user must fix; its message is one line."""
+
+
+def parse_size(text: str) -> int:
+    """'4096', '4k', '1.5G', '256MiB' -> integer (k/M/G are powers of 1024 as vLLM's parser)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def parse_token_count(text: str) -> int:
+    """'8192', '32k', '1m' (k = 1000 as vLLM's --max-model-len parser; 'K' = 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20, "g": 10**9, "G": 1 << 30}
+    return int(float(m.group(1)) * scale[m.group(2)])
+
+
+def flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata that makes a dataclass field a CLI flag: ``--field-name``, plus
+    ``aliases``, a ``type`` parser and ``choices`` when given."""
+    return {"flag": {"help": help, **argparse_kwargs}}
+
+
+def choices(registry: Any) -> tuple[str, ...]:
+    return tuple(registry)
+
+
+def coerce(f: dataclasses.Field[Any], value: Any) -> Any:
+    """``value`` as field ``f``'s type: a string goes through the flag's parser (so
+    ``max_model_len="2k"`` works offline as on the CLI); anything else of the wrong type
+    is a ConfigError, not a TypeError deep in start-up."""
+    kinds = str(f.type).replace(" ", "").split("|")
+    base = kinds[0]
+    if value is None:
+        if "None" in kinds:
+            return None
+        raise ConfigError(f"{f.name} must not be None")
+    if isinstance(value, str) and base in ("int", "float"):
+        parse = f.metadata.get("flag", {}).get("type") or {"int": int, "float": float}[base]
+        try:
+            value = parse(value)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ConfigError(f"{f.name} must be {base}, got {value!r}") from None
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = {
+        "int": numeric and isinstance(value, int),
+        "float": numeric,
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[base]
+    if not ok:
+        raise ConfigError(f"{f.name} must be {base}, got {value!r}")
+    return float(value) if base == "float" else value
+
+
+def check_choice(flag: str, value: object, choices: Any) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def add_flags(parser: argparse.ArgumentParser, title: str, obj: Any) -> None:
+    """One argument group with a flag per field of dataclass ``obj`` that carries ``flag``
+    metadata. Every default is None ("not given"): the dataclass holds the real default,
+    shown in the help."""
+    group = parser.add_argument_group(title, (type(obj).__doc__ or "").splitlines()[0])
+    for f in dataclasses.fields(obj):
+        spec = f.metadata.get("flag")
+        if spec is None:
+            continue
+        spec = dict(spec)
+        names = [f"--{f.name.replace('_', '-')}", *spec.pop("aliases", ())]
+        default = getattr(obj, f.name)
+        if default is not None and "default" not in spec["help"]:
+            spec["help"] += f" (default: {default})"
+        if str(f.type).startswith("bool"):
+            spec["action"] = argparse.BooleanOptionalAction
+        elif "type" not in spec and "choices" not in spec:
+            spec["type"] = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        group.add_argument(*names, dest=f.name, default=None, **spec)

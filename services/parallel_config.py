@@ -1,0 +1,171 @@
+"""How one engine core's model is split over worker ranks, and over machines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+from services.flags import ConfigError, flag
+from services.model_arch import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over worker ranks (torch.distributed: NCCL on CUDA, gloo on CPU).
+
+    ``world_size = tensor_parallel_size * pipeline_parallel_size`` workers; rank r is
+    TP rank ``r % tp`` of pipeline stage ``r // tp``. The engine core broadcasts each
+    StepPlan to every rank and takes the StepResult of TP rank 0 of the last stage
+    (vLLM's output rank).
+    """
+
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=flag("worker ranks that split every layer (Megatron-style)", aliases=("-tp",)),
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=flag("pipeline stages, each a consecutive run of layers", aliases=("-pp",)),
+    )
+    pp_layer_partition: str | None = field(
+        default=None,
+        metadata=flag("layers per stage, e.g. 16,14 (default: as even as possible)"),
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "engine cores (scheduler, KV cache, worker ranks each) behind one API server",
+            aliases=("-dp",),
+        ),
+    )
+    nnodes: int = field(
+        default=1, metadata=flag("machines the worker ranks of one engine core span")
+    )
+    node_rank: int = field(
+        default=0, metadata=flag("this machine's place among --nnodes (0 runs the server)")
+    )
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata=flag("node 0's address: the torch.distributed store and, across nodes, the plans"),
+    )
+    master_port: int | None = field(
+        default=None, metadata=flag("port of that store (default: a free one)")
+    )
+    distributed_timeout: float = field(
+        default=120.0,
+        metadata=flag(
+            "seconds the ranks wait for each other, to form the group or in a collective"
+        ),
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_ranks(self) -> range:
+        """The worker ranks this node runs: node k holds the k-th equal share."""
+        per_node = self.world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
+        """Each pipeline stage's layers ``[start, end)``: ``--pp-layer-partition``, else an
+        even split whose remainder goes to the first stages (the last one also samples)."""
+        pp = self.pipeline_parallel_size
+        if self.pp_layer_partition is not None:
+            sizes = [int(x) for x in self.pp_layer_partition.split(",")]
+        else:
+            sizes = [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
+        if len(sizes) != pp or sum(sizes) != num_layers or min(sizes) < 1:
+            raise ConfigError(
+                f"--pp-layer-partition {self.pp_layer_partition} must give each of the {pp} "
+                f"stages at least one layer, {num_layers} in all"
+            )
+        starts = [sum(sizes[:i]) for i in range(pp)]
+        return [(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.data_parallel_size < 1:
+            raise ConfigError(
+                f"--data-parallel-size must be at least 1, got {self.data_parallel_size}"
+            )
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(
+                f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}"
+            )
+        if self.pp_layer_partition is not None and not re.fullmatch(
+            r"\d+(,\d+)*", self.pp_layer_partition
+        ):
+            raise ConfigError(
+                f"--pp-layer-partition must be comma-separated layer counts, got "
+                f"{self.pp_layer_partition!r}"
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank must be in [0, --nnodes), got {self.node_rank} of {self.nnodes}"
+            )
+        if self.nnodes > 1:
+            if self.world_size % self.nnodes:
+                raise ConfigError(
+                    f"the {self.world_size} worker ranks (tensor x pipeline parallel size) must "
+                    f"divide evenly over --nnodes {self.nnodes}"
+                )
+            if self.master_port is None:
+                raise ConfigError("--nnodes > 1 needs --master-port: every node must give the same")
+            if self.data_parallel_size > 1:
+                raise ConfigError(
+                    "--nnodes > 1 spreads one engine core's ranks over machines; data "
+                    "parallelism across machines (--data-parallel-address) is not supported yet"
+                )
+        if self.distributed_timeout <= 0:
+            raise ConfigError("--distributed-timeout must be positive")
+
+    def check_fits(self, arch: ModelArchConfig, device: str) -> None:
+        """The split must divide the model's heads and MLP, and the ranks must find devices."""
+        tp = self.tensor_parallel_size
+        heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        if heads % tp:
+            raise ConfigError(
+                f"Total number of attention heads ({heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
+        # vLLM's rule: KV heads are split when there are at least as many as ranks,
+        # else each is replicated on tp / num_kv_heads ranks.
+        if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+            raise ConfigError(
+                f"the model's {kv_heads} KV heads can be neither split over nor replicated "
+                f"on {tp} tensor-parallel ranks; use a size that divides {kv_heads} or that "
+                f"{kv_heads} divides"
+            )
+        if arch.intermediate_size % tp:
+            raise ConfigError(
+                f"the MLP width ({arch.intermediate_size}) must be divisible by tensor "
+                f"parallel size ({tp})"
+            )
+        self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
+        ranks = len(self.local_ranks) * self.data_parallel_size  # on this machine
+        if ranks == 1:
+            return
+        if device == "cuda":
+            import torch
+
+            if ranks > torch.cuda.device_count():
+                raise ConfigError(
+                    f"{ranks} worker ranks need {ranks} GPUs; torch sees "
+                    f"{torch.cuda.device_count()}"
+                )
+        elif ranks > (os.cpu_count() or 1):
+            logger.warning(
+                "%d worker ranks on %d CPU cores: each rank gets one thread and they share "
+                "cores, so this is a test of the code path, not a speed-up",
+                ranks,
+                os.cpu_count(),
+            )
