@@ -78,10 +78,12 @@ class ModelRunner(WorkerBackend):
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         if self.device.type == "cpu":
             # --num-threads wins; else an explicit OMP_NUM_THREADS (as in tests); else the
-            # cores shared out between the ranks.
+            # cores shared out between the ranks on this machine (of every DP engine).
             threads = config.worker.num_threads
             if threads is None and "OMP_NUM_THREADS" not in os.environ:
-                threads = max(1, (os.cpu_count() or 1) // parallel.world_size)
+                p = config.parallel
+                ranks_here = len(p.local_ranks) * p.data_parallel_size
+                threads = max(1, (os.cpu_count() or 1) // ranks_here)
             if threads is not None:
                 torch.set_num_threads(threads)
         if config.cache.kv_cache_dtype != "auto":

@@ -6,9 +6,9 @@ it never touches worker sockets or processes itself.
 - ``UniprocExecutor``: the one rank lives in the calling process (the offline engine
   with a single rank: no sockets, no copies).
 - ``MultiprocExecutor``: ranks are processes. Each plan is published once on a PUB
-  socket every rank subscribes to; the output rank (TP rank 0) pushes the result
-  back on a PULL socket. Waiting for it polls, so a dead rank is noticed (through
-  ``is_alive``) instead of blocking forever.
+  socket every rank subscribes to; the output rank (TP rank 0 of the last pipeline
+  stage) pushes the result back on a PULL socket. Waiting for it polls, so a dead rank
+  is noticed (through ``is_alive``) instead of blocking forever.
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ class Executor(ABC):
 
     @abstractmethod
     def collect(self, step_id: int) -> StepResult: ...
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.submit(plan)
-        return self.collect(plan.step_id)
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release the ranks (the default has nothing to release)."""
