@@ -137,7 +137,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--headless",
         action="store_true",
-        help="run only this node's worker ranks (with --nnodes, on --node-rank > 0)",
+        help="run no API server, only this machine's worker ranks (with --nnodes, on "
+        "--node-rank > 0) or engine cores (with --data-parallel-size-local)",
     )
     p.add_argument(
         "--kv-events-endpoint",

@@ -20,10 +20,12 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import msgspec
 
 from launch.child import CONTROL_ENV
+from launch.engine_nodes import EngineNode, EngineNodes, HeadLost, head_endpoints
 from launch.process import Child, ProcessGroup
 from launch.workers import (
     cross_node_endpoints,
@@ -31,7 +33,14 @@ from launch.workers import (
     resolve_master_port,
     start_worker_ranks,
 )
-from services.config import ConfigError, Endpoints, EngineConfig, ModelArchConfig, ServeConfig
+from services.config import (
+    ConfigError,
+    Endpoints,
+    EngineConfig,
+    ModelArchConfig,
+    ParallelConfig,
+    ServeConfig,
+)
 from services.ipc import IpcDir, PullSocket, PushSocket
 from services.logging_utils import init_logger
 from services.metrics.registry import create_multiproc_dir, remove_multiproc_dir
@@ -73,6 +82,8 @@ class Launcher:
         self._env = {CONTROL_ENV: config.endpoints.control}
         self._stop_requested = False
         self._ready: list[Ready] = []  # READYs received, not yet waited for
+        self.nodes: EngineNodes | None = None  # node 0's engine nodes, if any
+        self.tick: Callable[[], None] | None = None  # called while waiting (an engine node's)
 
     def _start(self, role: str, *extra: str, name: str | None = None) -> Child:
         return self.group.start(
@@ -111,8 +122,16 @@ class Launcher:
                     f"the {dead.name} process exited with code {dead.popen.returncode} "
                     f"during start-up (its error is above){not_ready}"
                 )
+            if self.nodes is not None:
+                self._ready += self.nodes.poll()
+                if (failure := self.nodes.failure()) is not None:
+                    raise StartupError(f"{failure} during start-up")
+            if self.tick is not None:
+                self.tick()
             if time.monotonic() > deadline:
                 what = ", ".join(f"{n} {role}" for role, n in (+expected).items())
+                if expected["engine address"] and self.nodes is not None:
+                    what = f"the engine nodes of {self.nodes.describe()}"
                 if expected["worker"]:
                     workers = [r for r in got if r.role == "worker"]
                     what = ", ".join(missing_ranks(workers, self.config.engine.parallel))
@@ -122,25 +141,44 @@ class Launcher:
                 self._ready.append(ready)
 
     def start(self) -> None:
+        """Node 0: every process of the server (and the engine nodes' engine cores)."""
         parallel = self.config.engine.parallel
-        dp = parallel.data_parallel_size
-        for d in range(dp):
+        if parallel.engines_span_nodes:
+            self.nodes = EngineNodes(self.config)
+        for d in parallel.local_engines:
             start_worker_ranks(self.group, self.config, self._env, d)
+        if self.nodes is not None:
+            # The front end connects to every engine core: it needs their addresses first.
+            logger.info("waiting for %s on other machines", self.nodes.describe())
+            self._wait_ready(Counter({"engine address": len(self.nodes.remote)}), 900)
         self._start("detokenizer")
         for _ in range(self.config.tokenizer_workers):
             self._start("tokenizer")
-        workers = self._wait_ready(Counter(worker=parallel.world_size * dp), timeout_s=900)
-        for d in range(dp):
+        self._start_schedulers()
+        remote = len(self.nodes.remote) if self.nodes is not None else 0
+        expected = {"detokenizer": 1, "tokenizer": self.config.tokenizer_workers}
+        self._wait_ready(Counter({**expected, "remote engine": remote}), 900)
+        self._start("api_server")
+        self._wait_ready(Counter(api_server=1), 120)
+
+    def start_engines(self) -> None:
+        """An engine node: the worker ranks and schedulers of its engine cores only."""
+        for d in self.config.engine.parallel.local_engines:
+            start_worker_ranks(self.group, self.config, self._env, d)
+        self._start_schedulers()
+
+    def _start_schedulers(self) -> None:
+        parallel = self.config.engine.parallel
+        local = parallel.local_engines
+        dp = parallel.data_parallel_size
+        workers = self._wait_ready(Counter(worker=parallel.world_size * len(local)), 900)
+        for d in local:
             # Every rank holds its shard of every block: the smallest rank sets the pool.
             self.config.num_blocks = min(w.num_blocks for w in workers if w.engine == d)
             self._start(
                 "scheduler", "0", str(d), name="scheduler" if dp == 1 else f"engine {d} scheduler"
             )
-        self._wait_ready(
-            Counter(scheduler=dp, detokenizer=1, tokenizer=self.config.tokenizer_workers), 300
-        )
-        self._start("api_server")
-        self._wait_ready(Counter(api_server=1), 120)
+        self._wait_ready(Counter(scheduler=len(local)), 300)
 
     def supervise(self) -> int:
         """Block until a child dies (exit 1) or a drain completes (exit 0)."""
@@ -150,7 +188,12 @@ class Launcher:
                 return self._drain(api)
             dead = self.group.first_dead()
             if dead is not None:
-                return self._on_child_death(dead, api)
+                reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
+                return self._on_death(reason, api)
+            if self.nodes is not None:
+                self.nodes.poll()  # statuses: liveness and metrics
+                if (failure := self.nodes.failure()) is not None:
+                    return self._on_death(failure, api)
             time.sleep(_POLL_MS / 1000)
 
     def _drain(self, api: Child) -> int:
@@ -163,7 +206,8 @@ class Launcher:
         while api.popen.poll() is None and time.monotonic() < deadline:
             dead = self.group.first_dead()
             if dead is not None and dead is not api:
-                return self._on_child_death(dead, api)
+                reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
+                return self._on_death(reason, api)
             time.sleep(0.05)
         api.expected_exit = True
         self.group.stop_all()
@@ -178,10 +222,10 @@ class Launcher:
             return 1
         return 0
 
-    def _on_child_death(self, dead: Child, api: Child) -> int:
-        reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
+    def _on_death(self, reason: str, api: Child) -> int:
+        """A child, or an engine node, died: fail every request, stop everything."""
         logger.error("%s; shutting the server down", reason)
-        if dead is not api and api.popen.poll() is None:
+        if api.popen.poll() is None:
             s = PushSocket[ApiServerInput](self.config.endpoints.api_outputs, ApiServerInput)
             s.send(EngineDead(f"The engine stopped: {reason}."))
             # Our sockets close with linger 0, which would drop this message if
@@ -193,6 +237,10 @@ class Launcher:
 
     def request_stop(self, *_: object) -> None:
         self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
 
 
 def run_headless(config: ServeConfig) -> int:
@@ -231,6 +279,77 @@ def run_headless(config: ServeConfig) -> int:
         group.stop_all()
 
 
+def run_engine_node(config: ServeConfig, ipc: IpcDir) -> int:
+    """``--headless`` with ``--data-parallel-size-local``: run this machine's engine cores
+    for node 0 until one of their processes dies (exit 1), node 0 goes away or SIGTERM
+    (exit 0)."""
+    metrics_dir = create_multiproc_dir()  # its text goes to node 0's /metrics
+    node = EngineNode(config)  # their addresses go into config before any child starts
+    launcher = Launcher(config, ipc)
+    launcher.tick = node.beat
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    parallel = config.engine.parallel
+    first, last = node.engines[0], node.engines[-1]
+    try:
+        launcher.start_engines()
+        node.ready = True
+        print(
+            f"actorserve engine node: engine cores {first}-{last} of "
+            f"{parallel.data_parallel_size} serve for {parallel.data_parallel_address}:"
+            f"{parallel.data_parallel_rpc_port}",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not launcher.stop_requested:
+            node.beat()
+            dead = launcher.group.first_dead()
+            if dead is not None:
+                reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
+                logger.error("%s; stopping this node", reason)
+                node.down(reason)
+                return 1
+            time.sleep(_POLL_MS / 1000)
+        return 0
+    except StartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        node.down(str(e))
+        return 1
+    except HeadLost:
+        logger.info("node 0 went away; stopping this node")
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        launcher.group.stop_all()
+        launcher.control.close()
+        node.close()
+        ipc.cleanup()
+        remove_multiproc_dir(metrics_dir)
+
+
+def _check_headless(parallel: ParallelConfig, headless: bool) -> None:
+    """Which part of a server this machine runs must match ``--headless``."""
+    if parallel.nnodes > 1:
+        if headless != (parallel.node_rank > 0):
+            raise ConfigError(
+                "node 0 runs the API server and the scheduler: give --headless exactly on "
+                f"the other nodes (--node-rank > 0); this is node {parallel.node_rank}"
+            )
+    elif headless:
+        if not parallel.engines_span_nodes or not parallel.local_engines:
+            raise ConfigError(
+                "--headless runs part of a server on another machine: worker ranks "
+                "(--nnodes > 1 --node-rank R) or engine cores (--data-parallel-size-local "
+                "N --data-parallel-start-rank S, N > 0, fewer than --data-parallel-size)"
+            )
+    elif parallel.data_parallel_start_rank != 0:
+        raise ConfigError(
+            "the API server's node runs engine cores from 0: give --data-parallel-start-rank "
+            "only with --headless"
+        )
+
+
 def run_server(args: object) -> int:
     engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
     model = engine.model.model
@@ -239,7 +358,9 @@ def run_server(args: object) -> int:
     resolve_master_port(engine.parallel)
     a = vars(args)
     ipc = IpcDir()
-    endpoints = Endpoints(**{name: ipc.endpoint(name) for name in _SOCKETS})
+    endpoints = Endpoints()
+    for name in _SOCKETS:
+        setattr(endpoints, name, ipc.endpoint(name))
     endpoints.kv_events = a.get("kv_events_endpoint")
     cross_node_endpoints(endpoints, engine.parallel)
     config = ServeConfig(
@@ -262,17 +383,17 @@ def run_server(args: object) -> int:
         raise ConfigError("--tokenizer-workers must be at least 1")
     if config.log_stats_interval <= 0:
         raise ConfigError("--log-stats-interval must be positive")
-    node_rank = engine.parallel.node_rank
-    if bool(a.get("headless")) != (node_rank > 0):
-        raise ConfigError(
-            "node 0 runs the API server and the scheduler: give --headless exactly on the "
-            f"other nodes (--node-rank > 0); this is node {node_rank}"
-        )
-    if node_rank > 0:
+    parallel = engine.parallel
+    _check_headless(parallel, bool(a.get("headless")))
+    if parallel.node_rank > 0:
         try:
             return run_headless(config)
         finally:
             ipc.cleanup()
+    if a.get("headless"):
+        return run_engine_node(config, ipc)
+    if parallel.engines_span_nodes:
+        config.endpoints.detok_tokens = head_endpoints(parallel)[1]
     launcher = Launcher(config, ipc)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     signal.signal(signal.SIGINT, launcher.request_stop)
@@ -294,5 +415,7 @@ def run_server(args: object) -> int:
     finally:
         launcher.group.stop_all()
         launcher.control.close()
+        if launcher.nodes is not None:
+            launcher.nodes.close()
         ipc.cleanup()
         remove_multiproc_dir(metrics_dir)

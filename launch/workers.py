@@ -83,7 +83,7 @@ def missing_ranks(ready: list[Ready], parallel: ParallelConfig) -> list[str]:
     seen = {(r.engine, r.rank) for r in ready}
     return [
         worker_name(rank, d, dp)
-        for d in range(dp)
+        for d in parallel.local_engines
         for rank in range(parallel.world_size)
         if (d, rank) not in seen
     ]

@@ -297,6 +297,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass
+class EngineAddresses:
+    """The TCP sockets of an engine core on another machine, which it binds there."""
+
+    engine_core: str
+    engine_state: str
+
+
+@dataclass
 class Endpoints:
     """The ``ipc://`` (or tcp) addresses of one server's sockets; who binds each is noted."""
 
@@ -310,17 +318,22 @@ class Endpoints:
     control: str = ""  # launcher binds (PULL) <- every child's Ready
     kv_events: str | None = None  # scheduler binds (PUB) for routers, when set
     engine_state: str = ""  # scheduler binds (PUB) -> tokenizers: load and cached blocks (DP)
+    # Engine cores on other machines (--data-parallel-size-local): their own addresses.
+    remote_engines: dict[int, EngineAddresses] = field(default_factory=dict)
 
     # Each data-parallel engine core has its own of these; engine 0 keeps the plain names.
     _PER_ENGINE = ("engine_core", "step_plans", "step_results", "engine_state")
 
     def for_engine(self, dp_rank: int) -> Endpoints:
         """The endpoints as engine ``dp_rank`` sees them: its own input, plan, result and
-        state sockets (``name_{dp_rank}``), and for KV events a TCP port offset by the rank
-        (as vLLM does)."""
-        if dp_rank == 0:
+        state sockets (``name_{dp_rank}``; input and state at its TCP addresses when it runs
+        on another machine), and for KV events a TCP port offset by the rank (as vLLM does)."""
+        if dp_rank == 0 and not self.remote_engines:
             return self
-        own = {name: f"{getattr(self, name)}_{dp_rank}" for name in self._PER_ENGINE}
+        suffix = f"_{dp_rank}" if dp_rank else ""
+        own = {name: getattr(self, name) + suffix for name in self._PER_ENGINE}
+        if (remote := self.remote_engines.get(dp_rank)) is not None:
+            own.update(engine_core=remote.engine_core, engine_state=remote.engine_state)
         kv = self.kv_events
         if kv is not None:
             head, _, port = kv.rpartition(":")

@@ -42,6 +42,33 @@ class ParallelConfig:
             aliases=("-dp",),
         ),
     )
+    data_parallel_size_local: int | None = field(
+        default=None,
+        metadata=flag(
+            "engine cores on this machine (default: all of --data-parallel-size)",
+            aliases=("-dpl",),
+        ),
+    )
+    data_parallel_start_rank: int = field(
+        default=0,
+        metadata=flag(
+            "the first engine core this machine runs (--headless nodes)", aliases=("-dpr",)
+        ),
+    )
+    data_parallel_address: str = field(
+        default="127.0.0.1",
+        metadata=flag(
+            "the API server node's address, which engine cores on other machines reach",
+            aliases=("-dpa",),
+        ),
+    )
+    data_parallel_rpc_port: int = field(
+        default=29550,
+        metadata=flag(
+            "port on --data-parallel-address for engine cores on other machines (uses 2)",
+            aliases=("-dpp",),
+        ),
+    )
     nnodes: int = field(
         default=1, metadata=flag("machines the worker ranks of one engine core span")
     )
@@ -65,6 +92,18 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_engines(self) -> range:
+        """The data-parallel engine cores this machine runs."""
+        start = self.data_parallel_start_rank
+        local = self.data_parallel_size_local
+        return range(start, start + (self.data_parallel_size if local is None else local))
+
+    @property
+    def engines_span_nodes(self) -> bool:
+        """Some engine cores run on other machines (``--headless`` engine nodes)."""
+        return len(self.local_engines) < self.data_parallel_size
 
     @property
     def local_ranks(self) -> range:
@@ -120,11 +159,25 @@ class ParallelConfig:
                 )
             if self.master_port is None:
                 raise ConfigError("--nnodes > 1 needs --master-port: every node must give the same")
-            if self.data_parallel_size > 1:
+            if self.data_parallel_size_local is not None:
                 raise ConfigError(
-                    "--nnodes > 1 spreads one engine core's ranks over machines; data "
-                    "parallelism across machines (--data-parallel-address) is not supported yet"
+                    "--nnodes > 1 spreads one engine core's ranks over machines and "
+                    "--data-parallel-size-local spreads engine cores: use one or the other"
                 )
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        if local is not None and not 0 <= local <= self.data_parallel_size:
+            raise ConfigError(
+                f"--data-parallel-size-local must be in [0, {self.data_parallel_size}], got {local}"
+            )
+        if start < 0 or start + len(self.local_engines) > self.data_parallel_size:
+            raise ConfigError(
+                f"--data-parallel-start-rank {start} with {len(self.local_engines)} local "
+                f"engine cores goes past --data-parallel-size {self.data_parallel_size}"
+            )
+        if not 0 < self.data_parallel_rpc_port < 65535:
+            raise ConfigError(
+                f"--data-parallel-rpc-port must be a port number, got {self.data_parallel_rpc_port}"
+            )
         if self.distributed_timeout <= 0:
             raise ConfigError("--distributed-timeout must be positive")
 
@@ -151,7 +204,7 @@ class ParallelConfig:
                 f"parallel size ({tp})"
             )
         self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
-        ranks = len(self.local_ranks) * self.data_parallel_size  # on this machine
+        ranks = len(self.local_ranks) * len(self.local_engines)  # on this machine
         if ranks == 1:
             return
         if device == "cuda":

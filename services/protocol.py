@@ -511,3 +511,34 @@ class Ready(msgspec.Struct, **_STRUCT):
     num_blocks: int = 0
     rank: int = 0
     engine: int = 0  # the data-parallel engine core a worker or scheduler belongs to
+
+
+# ---- engine nodes (--headless with --data-parallel-size-local): the node's launcher
+#   -PUSH EngineNodeMessage-> node 0's launcher (TCP, --data-parallel-rpc-port)
+
+
+class EngineNodeHello(msgspec.Struct, **_TAGGED):
+    """An engine node is starting these engine cores; each binds its input and state
+    sockets at these addresses on that machine."""
+
+    engine_cores: dict[int, str]
+    engine_states: dict[int, str]
+
+
+class EngineNodeStatus(msgspec.Struct, **_TAGGED):
+    """Every second: whether the node's engine cores are all READY, and its processes'
+    Prometheus text (node 0's ``/metrics`` includes it). Also the node's heartbeat."""
+
+    engines: list[int]
+    ready: bool
+    metrics: str = ""
+
+
+class EngineNodeDown(msgspec.Struct, **_TAGGED):
+    """A process of the engine node died; the node is stopping."""
+
+    engines: list[int]
+    reason: str
+
+
+EngineNodeMessage = EngineNodeHello | EngineNodeStatus | EngineNodeDown

@@ -135,13 +135,15 @@ class RemoteServer:
         self.close()
 
 
-def metric(server: RemoteServer, name: str) -> float | None:
-    """A Prometheus sample from ``/metrics``, summed over label sets; None if not exported."""
+def metric(server: RemoteServer, name: str, **labels: str) -> float | None:
+    """A Prometheus sample from ``/metrics``, summed over the label sets that carry
+    ``labels``; None if not exported."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith((name + "{", name + " "))
+        if line.startswith((name + "{", name + " ")) and all(w in line for w in want)
     ]
     return sum(values) if values else None
 

@@ -18,7 +18,7 @@ import pytest
 from services.ipc import SubSocket
 from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, EngineState, KVEventBatch
 from services.tokenizer.balancer import DataParallelBalancer
-from tests.server_utils import RemoteServer, free_port
+from tests.server_utils import RemoteServer, free_port, metric
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 4
@@ -78,12 +78,7 @@ def _completion(url: str, prompt: str, headers: dict[str, str] | None = None) ->
 
 
 def _successes(server: RemoteServer, engine: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total{") and f'engine="{engine}"' in line
-    )
+    return metric(server, "vllm:request_success_total", engine=engine) or 0.0
 
 
 def test_dp2_spreads_a_concurrent_load_with_one_engines_tokens(dp_server, greedy_prompts) -> None:

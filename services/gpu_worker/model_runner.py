@@ -82,7 +82,7 @@ class ModelRunner(WorkerBackend):
             threads = config.worker.num_threads
             if threads is None and "OMP_NUM_THREADS" not in os.environ:
                 p = config.parallel
-                ranks_here = len(p.local_ranks) * p.data_parallel_size
+                ranks_here = len(p.local_ranks) * len(p.local_engines)
                 threads = max(1, (os.cpu_count() or 1) // ranks_here)
             if threads is not None:
                 torch.set_num_threads(threads)

@@ -12,11 +12,13 @@ a registry, carry the values, and a second instance (tests) must not collide.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from services.config import ServeConfig
 
@@ -54,8 +56,13 @@ def label_values(config: ServeConfig, engine_index: int = 0) -> tuple[str, str]:
     return (names[0] if names else "", str(engine_index))
 
 
+REMOTE_METRICS_SUFFIX = ".prom"  # engine nodes' exposition text, kept in the same directory
+
+
 def render_latest() -> tuple[bytes, str]:
-    """The exposition text of every process's metrics (this one's alone without the directory)."""
+    """The exposition text of every process's metrics (this one's alone without the
+    directory), and of the engine nodes' processes on other machines (their latest text,
+    which node 0's launcher keeps beside the ``.db`` files)."""
     from prometheus_client import (
         CONTENT_TYPE_LATEST,
         REGISTRY,
@@ -65,10 +72,39 @@ def render_latest() -> tuple[bytes, str]:
     )
 
     registry = REGISTRY
-    if os.environ.get(MULTIPROC_ENV):
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+    if folder := os.environ.get(MULTIPROC_ENV):
+        local = CollectorRegistry()
+        multiprocess.MultiProcessCollector(local)
+        registry = local
+        if remote := sorted(Path(folder).glob(f"*{REMOTE_METRICS_SUFFIX}")):
+            registry = CollectorRegistry()
+            registry.register(_WithRemote(local, remote))
     return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class _WithRemote:
+    """This machine's families with the engine nodes' samples merged in, one family per
+    name (the exposition format allows each name once)."""
+
+    def __init__(self, local: Any, remote: list[Path]) -> None:
+        self.local = local
+        self.remote = remote
+
+    def collect(self) -> Any:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families: dict[str, Any] = {}
+        sources = [self.local.collect()]
+        for path in self.remote:
+            with contextlib.suppress(FileNotFoundError):
+                sources.append(text_string_to_metric_families(path.read_text()))
+        for source in sources:
+            for family in source:
+                if (have := families.get(family.name)) is None:
+                    families[family.name] = family
+                else:
+                    have.samples.extend(family.samples)
+        return iter(families.values())
 
 
 def observe_many(histogram_child: object, values: Sequence[float]) -> None:
