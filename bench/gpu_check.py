@@ -13,6 +13,10 @@ For a machine with an NVIDIA GPU (``make gpu-check``); the whole run fits in ~8 
    one decode step at batch 1, 64 and 256, context 2048, against (weight bytes + KV
    bytes) / bandwidth.
 
+5. NCCL with one rank (the lent machine has one GPU): the process group forms over TCP on
+   loopback as ``init_distributed`` forms it, and all-reduce and all-gather on CUDA
+   tensors give the right values (the code path of TP; the scaling is not measurable here).
+
 Before any of it, every module these parts use is imported (so that a missing package shows
 up at once, also on a machine without a GPU) and the third-party distributions that loaded
 are listed. A lent GPU machine runs it with its own torch and triton through
@@ -371,10 +375,40 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
+def check_nccl(rows: list[dict]) -> None:
+    """Part 5: torch.distributed's NCCL backend with one rank, as the workers call it."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        dist.all_reduce(x)
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x)
+        torch.cuda.synchronize()
+        if not (torch.equal(x, torch.arange(1 << 20, device="cuda", dtype=torch.float32))
+                and torch.equal(parts[0], x)):  # fmt: skip
+            raise RuntimeError("NCCL all-reduce/all-gather gave wrong values")
+        big = torch.ones(32 << 20, device="cuda", dtype=torch.bfloat16)  # 64 MiB
+        ms = cuda_time_ms(lambda: dist.all_reduce(big))
+        rows.append(row("nccl all-reduce 64 MiB, 1 rank", ms, None, None, "values ok"))
+    finally:
+        dist.destroy_process_group()
+
+
 def run_parts(
     args: argparse.Namespace, deadline: float, results: dict, save: Callable[[], None]
 ) -> bool:
-    """Parts 1-4, on the GPU; fills ``results`` (saving it after each part), False if one
+    """Parts 1-5, on the GPU; fills ``results`` (saving it after each part), False if one
     failed. An interrupt propagates, with what ran already in ``results``."""
     import triton
 
@@ -416,6 +450,12 @@ def run_parts(
                 row("model decode", None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200])
             )
         torch.cuda.empty_cache()
+    try:
+        check_nccl(rows)
+    except Exception as e:
+        traceback.print_exc()
+        rows.append(row("nccl, 1 rank", None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200]))
+    save()
     return ok and not any(r["note"].startswith("FAILED") for r in rows)
 
 
