@@ -44,7 +44,7 @@ from services.config import (
 from services.ipc import IpcDir, PullSocket, PushSocket
 from services.logging_utils import init_logger
 from services.metrics.registry import create_multiproc_dir, remove_multiproc_dir
-from services.model_loader import load_hf_config, prepare_model
+from services.model_loader import load_hf_config, prepare_engine_model
 from services.protocol import ApiServerInput, EngineDead, Ready
 
 logger = init_logger(__name__)
@@ -67,8 +67,11 @@ class StartupError(RuntimeError):
     """A child died or never reported READY during start-up."""
 
 
-def served_name(model: str | None) -> str:
-    """vLLM serves the model under the --model string; the default model under its own name."""
+def served_name(model: str | None, sim_model: str | None = None) -> str:
+    """vLLM serves the model under the --model string; the default model under its own name,
+    a simulated one (``--sim-model``) under that name."""
+    if sim_model is not None:
+        return sim_model
     return model if model is not None else "SmolLM2-135M-Instruct"
 
 
@@ -353,7 +356,7 @@ def _check_headless(parallel: ParallelConfig, headless: bool) -> None:
 def run_server(args: object) -> int:
     engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
     model = engine.model.model
-    folder = prepare_model(model, engine.model.load_format)
+    folder = prepare_engine_model(model, engine.model.load_format, engine.worker.sim_model)
     engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))
     resolve_master_port(engine.parallel)
     a = vars(args)
@@ -367,7 +370,8 @@ def run_server(args: object) -> int:
         engine=engine,
         endpoints=endpoints,
         model_folder=str(folder),
-        served_model_names=a.get("served_model_name") or [served_name(model)],
+        served_model_names=a.get("served_model_name")
+        or [served_name(model, engine.worker.sim_model)],
         host=a["host"],
         port=a["port"],
         api_key=a.get("api_key"),

@@ -159,6 +159,29 @@ class WorkerConfig:
         default=None,
         metadata=flag("torch threads per worker rank on CPU (default: cores / ranks)"),
     )
+    # --worker-backend sim (services/gpu_worker/sim/): the modelled device and model
+    sim_hardware: str = field(
+        default="h200",
+        metadata=flag("simulated device: h200, h100, a100, l40s or a JSON file"),
+    )
+    sim_model: str | None = field(
+        default=None,
+        metadata=flag(
+            "simulated model: llama-3-8b, llama-3-70b, qwen3-0.6b or an HF config.json "
+            "(default: --model's); the tokenizer stays --model's"
+        ),
+    )
+    sim_speed: float = field(
+        default=1.0,
+        metadata=flag("simulated time per real second is 1/this (0.1: ten times faster)"),
+    )
+    sim_eos: str | None = field(
+        default=None,
+        metadata=flag(
+            "end requests with EOS at a length drawn from fixed:N, uniform:LO,HI, exp:MEAN, "
+            "lognormal:MEDIAN,SIGMA or a JSON file of lengths (default: at max_tokens)"
+        ),
+    )
 
     def resolved_device(self) -> str:
         """ "cpu" or "cuda": ``device``, with "auto" meaning CUDA when torch sees a GPU."""
@@ -245,6 +268,10 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len must be at least 1, got {s.max_model_len}")
         if w.num_threads is not None and w.num_threads < 1:
             raise ConfigError(f"--num-threads must be at least 1, got {w.num_threads}")
+        if w.worker_backend != "sim" and (w.sim_model is not None or w.sim_eos is not None):
+            raise ConfigError("--sim-model and --sim-eos are for --worker-backend sim")
+        if w.sim_speed <= 0:
+            raise ConfigError(f"--sim-speed must be positive, got {w.sim_speed}")
         self.parallel.validate()
         if self.parallel.data_parallel_size > 1 and c.prefix_caching_hash_algo == "builtin":
             raise ConfigError(
@@ -270,7 +297,8 @@ class EngineConfig:
                 f"--max-model-len {s.max_model_len} is greater than {why}; "
                 f"use --max-model-len {derived} or less"
             )
-        device = self.worker.resolved_device()
+        # The simulated backend models a GPU and needs no device here.
+        device = "sim" if self.worker.worker_backend == "sim" else self.worker.resolved_device()
         if s.max_num_batched_tokens is None:
             # The budget is the knob between TTFT and ITL: every running request waits for
             # the whole step. A CPU computes ~1k prompt tokens/s, already at full matmul

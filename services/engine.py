@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from services.config import ConfigError, EngineConfig, ModelArchConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.logging_utils import init_logger
-from services.model_loader import load_hf_config, load_tokenizer, prepare_model
+from services.model_loader import load_hf_config, load_tokenizer, prepare_engine_model
 from services.protocol import (
     GenerateRequest,
     RequestError,
@@ -88,7 +88,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-        folder = prepare_model(self.config.model.model, self.config.model.load_format)
+        m = self.config.model
+        folder = prepare_engine_model(m.model, m.load_format, self.config.worker.sim_model)
         arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
         self.config.finalize(arch)
         if self.config.parallel.data_parallel_size > 1:

@@ -215,7 +215,7 @@ class ParallelConfig:
                     f"{ranks} worker ranks need {ranks} GPUs; torch sees "
                     f"{torch.cuda.device_count()}"
                 )
-        elif ranks > (os.cpu_count() or 1):
+        elif device == "cpu" and ranks > (os.cpu_count() or 1):
             logger.warning(
                 "%d worker ranks on %d CPU cores: each rank gets one thread and they share "
                 "cores, so this is a test of the code path, not a speed-up",

@@ -25,6 +25,9 @@ class WorkerBackend(ABC):
     returns the same sampled tokens, and the engine reads the output rank's result.
     """
 
+    # The ranks run torch.distributed collectives (False: no process group is formed).
+    uses_collectives: bool = True
+
     @abstractmethod
     def __init__(self, config: EngineConfig, folder: Path | None, parallel: ParallelState) -> None:
         """Load what the rank needs; raise ``ConfigError`` for a user mistake."""

@@ -139,14 +139,23 @@ def init_distributed(
         # Every rank creates every group, in the same order (torch.distributed's rule).
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         group = groups[rank // tp]
+    return rank_state(parallel, rank, num_layers, group)
+
+
+def rank_state(
+    parallel: ParallelConfig, rank: int, num_layers: int, group: Any = None
+) -> ParallelState:
+    """Rank ``rank``'s coordinates in the layout; ``group``: its TP group, if one was formed
+    (a backend without collectives, such as the simulated one, forms none)."""
+    tp = parallel.tensor_parallel_size
     return ParallelState(
         rank=rank,
-        world_size=world,
+        world_size=parallel.world_size,
         tp_rank=rank % tp,
         tp_size=tp,
         group=group,
         pp_rank=rank // tp,
-        pp_size=pp,
+        pp_size=parallel.pipeline_parallel_size,
         layers=parallel.stage_layers(num_layers)[rank // tp],
     )
 

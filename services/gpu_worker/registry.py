@@ -20,6 +20,7 @@ ATTENTION_BACKENDS: dict[str, str] = {
 # --worker-backend: what a worker rank runs a StepPlan with (services/gpu_worker/base.py).
 WORKER_BACKENDS: dict[str, str] = {
     "torch": "services.gpu_worker.model_runner:ModelRunner",
+    "sim": "services.gpu_worker.sim.worker:SimWorker",
 }
 
 

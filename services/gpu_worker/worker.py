@@ -19,7 +19,7 @@ import zmq
 
 from services.config import ModelArchConfig, ServeConfig
 from services.gpu_worker.base import WorkerBackend
-from services.gpu_worker.distributed import init_distributed
+from services.gpu_worker.distributed import init_distributed, rank_state
 from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
 from services.ipc import PushSocket, SubSocket, report_ready
 from services.logging_utils import init_logger
@@ -40,11 +40,14 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         engine.parallel.master_port += dp_rank
     folder = Path(config.model_folder)
     arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
-    parallel = init_distributed(
-        engine.parallel, rank, engine.worker.resolved_device(), arch.num_hidden_layers
-    )
     backend = load_backend(
         WORKER_BACKENDS, "worker backend", engine.worker.worker_backend, WorkerBackend
+    )
+    layers = arch.num_hidden_layers
+    parallel = (
+        init_distributed(engine.parallel, rank, engine.worker.resolved_device(), layers)
+        if backend.uses_collectives
+        else rank_state(engine.parallel, rank, layers)
     )
     worker: WorkerBackend = backend(engine, folder, parallel)
     num_blocks = worker.determine_num_blocks()

@@ -5,7 +5,7 @@ reads it with ``load_hf_config``, ``iter_weights`` (or ``dummy_weights``) and ``
 """
 
 from services.model_loader.errors import ModelLoadError
-from services.model_loader.resolve import default_model_path, prepare_model
+from services.model_loader.resolve import default_model_path, prepare_engine_model, prepare_model
 from services.model_loader.tokenizer import TokenizerInfo, load_tokenizer
 from services.model_loader.weights import dummy_weights, iter_weights, load_hf_config
 
@@ -17,5 +17,6 @@ __all__ = [
     "iter_weights",
     "load_hf_config",
     "load_tokenizer",
+    "prepare_engine_model",
     "prepare_model",
 ]

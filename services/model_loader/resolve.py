@@ -102,6 +102,17 @@ def _prepare_gguf(path: Path, cache_dir: Path | None) -> Path:
     return folder
 
 
+def prepare_engine_model(model: str | None, load_format: str, sim_model: str | None) -> Path:
+    """The folder an engine runs on: ``prepare_model``'s, or with ``--worker-backend sim
+    --sim-model`` the simulated model's config beside that folder's tokenizer."""
+    folder = prepare_model(model, load_format)
+    if sim_model is None:
+        return folder
+    from services.gpu_worker.sim.models import sim_model_folder
+
+    return sim_model_folder(sim_model, folder)
+
+
 def prepare_model(
     model: str | None, load_format: str = "auto", cache_dir: Path | None = None
 ) -> Path:
