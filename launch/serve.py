@@ -16,6 +16,7 @@ accepting (503), lets in-flight requests finish for up to
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ from launch.workers import (
     resolve_master_port,
     start_worker_ranks,
 )
+from services import clock
 from services.config import (
     ConfigError,
     Endpoints,
@@ -359,6 +361,8 @@ def run_server(args: object) -> int:
     folder = prepare_engine_model(model, engine.model.load_format, engine.worker.sim_model)
     engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))
     resolve_master_port(engine.parallel)
+    if engine.worker.worker_backend == "sim" and engine.worker.sim_speed != 1.0:
+        os.environ.update(clock.set_sim_speed(engine.worker.sim_speed))  # children inherit it
     a = vars(args)
     ipc = IpcDir()
     endpoints = Endpoints()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services import clock
 from services.config import ConfigError, EngineConfig, ModelArchConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.logging_utils import init_logger
@@ -88,7 +89,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-        m = self.config.model
+        m, w = self.config.model, self.config.worker
+        clock.set_sim_speed(w.sim_speed if w.worker_backend == "sim" else 1.0)
         folder = prepare_engine_model(m.model, m.load_format, self.config.worker.sim_model)
         arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
         self.config.finalize(arch)

@@ -190,3 +190,36 @@ def test_seeded_requests_repeat_and_unseeded_ones_differ(sim_server: RemoteServe
             for _ in range(2)]  # fmt: skip
     assert free[0]["token_ids"] != free[1]["token_ids"]
     assert all(len(c["token_ids"]) == 32 for c in seeded + free)  # ignore_eos: no sampled EOS
+
+
+def test_sim_speed_reports_simulated_seconds() -> None:
+    """At --sim-speed 0.01 the simulated world runs 100 times faster than real time: the
+    server's request latencies read 100 times the real ones (here, over the same request:
+    between 50x and 100x the client's real time, which also holds the HTTP round trip)."""
+    with RemoteServer(
+        "--worker-backend", "sim", "--sim-model", MODEL, "--sim-speed", "0.01",
+        "--kv-cache-memory-bytes", "1GiB",
+    ) as server:  # fmt: skip
+        server.wait_ready()
+        start = time.monotonic()
+        _complete(server.url, list(range(100, 164)), max_tokens=200, ignore_eos=True)
+        real = time.monotonic() - start
+        assert wait_metric(server, "vllm:e2e_request_latency_seconds_count", 1, timeout_s=10)
+        simulated = metric(server, "vllm:e2e_request_latency_seconds_sum")
+        assert simulated is not None and 50 * real <= simulated <= 100 * real, (simulated, real)
+
+
+def test_clock_scales_intervals_and_wall_time() -> None:
+    from services import clock
+
+    try:
+        env = clock.set_sim_speed(0.1, epoch=time.time())
+        t0, w0, r0 = clock.monotonic(), clock.wall(), time.monotonic()
+        time.sleep(0.05)
+        real = time.monotonic() - r0
+        assert clock.monotonic() - t0 == pytest.approx(10 * real, rel=0.2)
+        assert clock.wall() - w0 == pytest.approx(10 * real, rel=0.2)
+        assert clock.real_seconds(1.0) == pytest.approx(0.1)
+        assert float(env[clock.SPEED_ENV]) == 0.1
+    finally:
+        clock.set_sim_speed(1.0)

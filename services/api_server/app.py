@@ -8,7 +8,6 @@ the api_server never loads a tokenizer.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -18,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services import clock
 from services.api_server import serving
 from services.api_server.frontend import EngineFrontend, EngineRequestError
 from services.api_server.http_io import (
@@ -58,7 +58,7 @@ class ServerSettings:
     max_num_queued_reqs: int | None = None  # None: no limit; over it new requests get 429
     max_request_body_bytes: int = 8 << 20
     enable_request_id_headers: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = field(default_factory=lambda: int(clock.wall()))
 
 
 def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
@@ -175,7 +175,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         response_id, base_id = response_ids(request, "cmpl", req.request_id)
         ctx = serving.ResponseContext(
             response_id,
-            int(time.time()),
+            int(clock.wall()),
             model,
             req.n,
             len(prompts),
@@ -184,7 +184,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             num_logprobs=req.logprobs,
             return_token_ids=req.return_token_ids,
         )
-        now = time.time()
+        now = clock.wall()
         dp_rank = pinned_rank(request)
 
         def make(req_id: str, sub: SamplingParams, p: int) -> GenerateRequest:
@@ -230,10 +230,10 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         check_admission()
         response_id, base_id = response_ids(request, "chatcmpl", req.request_id)
         ctx = serving.ResponseContext(
-            response_id, int(time.time()), model, req.n, return_token_ids=req.return_token_ids
+            response_id, int(clock.wall()), model, req.n, return_token_ids=req.return_token_ids
         )
         messages = [m.to_template() for m in req.messages]
-        now = time.time()
+        now = clock.wall()
         dp_rank = pinned_rank(request)
 
         def make(req_id: str, sub: SamplingParams, p: int) -> GenerateRequest:

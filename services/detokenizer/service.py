@@ -10,7 +10,6 @@ here, including requests this process already finished on a stop string.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import tokenizers
 import zmq
 
+from services import clock
 from services.config import ServeConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.ipc import PullSocket, PushSocket, report_ready
@@ -201,7 +201,7 @@ def serve_detokenizer(
         while not stop_event.is_set():
             if not poller.poll(_POLL_MS):
                 continue
-            start = time.perf_counter()
+            start = clock.perf_counter()
             deltas: list[TextDelta] = []
             finishes: list[FinishRequest] = []
             # Specs first: a request's registration before its tokens where possible.
@@ -219,7 +219,7 @@ def serve_detokenizer(
             if deltas:
                 api.send(TextDeltaBatch(deltas))
             if batch_time is not None:
-                batch_time.observe(time.perf_counter() - start)
+                batch_time.observe(clock.perf_counter() - start)
     finally:
         closables: list[Any] = [batches, specs, *engines, api]
         for closable in closables:

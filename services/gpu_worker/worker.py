@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import zmq
 
+from services import clock
 from services.config import ModelArchConfig, ServeConfig
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed, rank_state
@@ -88,9 +88,9 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         plan = plans.recv_nowait()
         if plan is None:
             continue
-        start = time.perf_counter()
+        start = clock.perf_counter()
         result = worker.execute(plan)
-        end = time.perf_counter()
+        end = clock.perf_counter()
         forward_time.observe(end - start)
         if trace is not None:
             trace.record(plan, start, end)

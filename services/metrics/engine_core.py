@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from typing import TypeVar
 
+from services import clock
 from services.config import ServeConfig
 from services.metrics.engine_metrics import GAUGE_INTERVAL_S, EngineMetrics
 from services.metrics.process_metrics import SchedulerLoopMetrics
@@ -57,13 +57,13 @@ class EngineCoreMetrics:
         self.stats_logger.record(num_prompt, num_generation)
         if finished:
             self.engine.record_finished(finished)
-        now = time.monotonic()
+        now = clock.monotonic()
         if now >= self._next_flush:
             self.flush(now)
 
     def flush(self, now: float | None = None) -> None:
         """Snapshot the scheduler into the gauges; log the stats line if it is due."""
-        now = time.monotonic() if now is None else now
+        now = clock.monotonic() if now is None else now
         residency = self.scheduler.take_kv_cache_residency()
         if not self.enabled:
             return
@@ -79,12 +79,14 @@ class EngineCoreMetrics:
         Returns the message, or None when the wait timed out (call again).
         """
         self.flush()
-        timeout = self.stats_logger.seconds_until_due() if self.enabled else None
-        start = time.perf_counter()
+        timeout = (
+            clock.real_seconds(self.stats_logger.seconds_until_due()) if self.enabled else None
+        )
+        start = clock.perf_counter()
         try:
             msg: T | None = inputs.get(timeout=timeout)
         except queue.Empty:
             msg = None
         if self.enabled:
-            self.loop.idle_seconds.inc(time.perf_counter() - start)
+            self.loop.idle_seconds.inc(clock.perf_counter() - start)
         return msg

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services import clock
 from services.config import ServeConfig
 from services.metrics.registry import LABEL_NAMES, label_values, observe_many
 from services.protocol import RequestTokens, StepPlan
@@ -142,7 +142,7 @@ class EngineMetrics:
         self.labels = label_values(config, engine_index)
         max_len = config.engine.scheduler.max_model_len or 1
         tok_buckets = build_1_2_5_buckets(max_len)
-        self.wall_minus_monotonic = time.time() - time.monotonic()
+        self.wall_minus_monotonic = clock.wall() - clock.monotonic()
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
         # req_id -> (prompt tokens, cached) until its first token: vLLM counts prompt tokens then.

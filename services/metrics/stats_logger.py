@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 
+from services import clock
 from services.scheduler.stats import PrefixCacheStats, SchedulerStats
 
 HIT_RATE_WINDOW_REQUESTS = 1000
@@ -58,7 +58,7 @@ class LoggingStatLogger:
         self.hit_rate = PrefixCacheHitRate()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
-        self._last_log = time.monotonic()
+        self._last_log = clock.monotonic()
         self._last_was_active = False
 
     def record(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
@@ -66,12 +66,12 @@ class LoggingStatLogger:
         self._num_generation_tokens += num_generation_tokens
 
     def seconds_until_due(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
+        now = clock.monotonic() if now is None else now
         return max(self._last_log + self.interval_s - now, 0.0)
 
     def maybe_log(self, stats: SchedulerStats, now: float | None = None) -> bool:
         """Log if an interval has passed since the last line; True if it did."""
-        now = time.monotonic() if now is None else now
+        now = clock.monotonic() if now is None else now
         elapsed = now - self._last_log
         if elapsed < self.interval_s:
             return False

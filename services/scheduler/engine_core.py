@@ -7,9 +7,9 @@ admission rules, the step and the bookkeeping after it exist once.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
+from services import clock
 from services.config import EngineConfig
 from services.protocol import RequestTokens, StepPlan, TokenizedRequest
 from services.scheduler.executor import Executor
@@ -69,12 +69,12 @@ class EngineCore:
                 if not self._in_flight:
                     return plan, self.scheduler.update_from_output(plan, None)
                 break  # nothing new to start: wait for the oldest plan instead
-            start = time.perf_counter()
+            start = clock.perf_counter()
             self.executor.submit(plan)  # runs the plan in place with one in-process rank
-            self.last_execute_s += time.perf_counter() - start
+            self.last_execute_s += clock.perf_counter() - start
             self._in_flight.append(plan)
         plan = self._in_flight.popleft()
-        start = time.perf_counter()
+        start = clock.perf_counter()
         result = self.executor.collect(plan.step_id)
-        self.last_execute_s += time.perf_counter() - start
+        self.last_execute_s += clock.perf_counter() - start
         return plan, self.scheduler.update_from_output(plan, result)

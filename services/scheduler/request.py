@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 
 import msgspec
 
+from services import clock
 from services.protocol import PromptLogprobs, SamplingParams, TokenizedRequest, TokenLogprobs
 from services.scheduler.block_hash import BlockHash
 
@@ -73,7 +73,7 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
-        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.arrival_time = clock.wall() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
 
@@ -147,7 +147,7 @@ class Request:
         return self.prompt_logprobs_pending
 
     def record_event(self, event: RequestEventType, ts: float | None = None) -> None:
-        self.events.append((event, time.monotonic() if ts is None else ts))
+        self.events.append((event, clock.monotonic() if ts is None else ts))
 
     @property
     def num_tokens(self) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-import time
 
+from services import clock
 from services.config import CacheConfig, SchedulerConfig
 from services.protocol import (
     KVCacheEvent,
@@ -301,7 +301,7 @@ class Scheduler:
         self.waiting.prepend(victim)
         self._finished_req_ids[victim.req_id] = None  # the workers drop its stale state
         self.num_preemptions += 1
-        now = time.monotonic()
+        now = clock.monotonic()
         if now - self._last_preemption_log >= _PREEMPTION_LOG_INTERVAL_S:
             self._last_preemption_log = now
             logger.warning(
@@ -332,7 +332,7 @@ class Scheduler:
         expected = self._sampling_by_step.pop(plan.step_id, set())
         sampled = {req_id: i for i, req_id in enumerate(result.req_ids)}
         prompt_logprobs = {chunk.req_id: chunk for chunk in result.prompt_logprobs}
-        now = time.monotonic()
+        now = clock.monotonic()
         any_finished = False
         scheduled_ids = itertools.chain(
             (r.req_id for r in plan.new_requests), (r.req_id for r in plan.running)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 
 import msgspec
 
+from services import clock
 from services.config import ServeConfig
 from services.ipc import PubSocket, PullSocket, PushSocket, report_ready
 from services.logging_utils import init_logger
@@ -154,12 +154,12 @@ class EngineCoreProc:
             self.core.finish_requests([msg.req_id], msg.finish_reason, msg.stop_reason)
 
     def step(self) -> None:
-        start = time.perf_counter()
+        start = clock.perf_counter()
         plan, items = self.core.step()
         if items:
             self._detok.send(TokenBatch(items))
         self._publish(self.scheduler.take_events())
-        busy_s = time.perf_counter() - start - self.core.last_execute_s
+        busy_s = clock.perf_counter() - start - self.core.last_execute_s
         self.metrics.on_step(plan, items, busy_s)
 
     def _publish(self, events: list[KVCacheEvent]) -> None:
@@ -167,7 +167,7 @@ class EngineCoreProc:
         engine's state to the tokenizers whenever its load or its cache changed."""
         dp_rank = self.dp_rank if self._state is not None else None
         if self._kv_events is not None and events:
-            self._kv_events.send(KVEventBatch(time.time(), events, self._kv_event_seq, dp_rank))
+            self._kv_events.send(KVEventBatch(clock.wall(), events, self._kv_event_seq, dp_rank))
             self._kv_event_seq += 1
         if self._state is not None:
             sched = self.scheduler

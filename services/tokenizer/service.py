@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services import clock
 from services.config import ServeConfig
 from services.ipc import PullSocket, PushSocket, SubSocket, report_ready
 from services.protocol import (
@@ -103,10 +103,10 @@ def serve_tokenizer(
                 if isinstance(msg, GenerateBatch):
                     outs = []
                     for req in msg.requests:
-                        start = time.perf_counter()
+                        start = clock.perf_counter()
                         outs.append(processor.process(req))
                         if tokenize_time is not None:
-                            tokenize_time.observe(time.perf_counter() - start)
+                            tokenize_time.observe(clock.perf_counter() - start)
                     error = next((o for o in outs if isinstance(o, RequestError)), None)
                     if error is not None:
                         api.send(error)  # the whole group fails with its first error

@@ -6,14 +6,18 @@ StepPlan costs, per layer of the rank's stage:
 
 - each linear (fused QKV, O, fused gate/up, down) as one GEMM over the step's ``T`` tokens:
   ``max(bytes / (bandwidth * bandwidth_efficiency), flops / (peak * compute_efficiency))``
-  with ``flops = 2 * T * params`` and ``bytes = (params + T * (in + out)) * dtype bytes``;
+  with ``flops = 2 * T * params`` and ``bytes = (params + T * (in + out)) * dtype bytes``
+  (and, where the device file says so, a peak that small GEMMs only approach:
+  ``peak * T / (T + gemm_half_tokens)``);
 - attention over each request's real context: ``flops = 4 * heads * head_dim * sum over
   the new tokens of the context each attends to`` (causal inside a prefill chunk) and
   ``bytes`` = the KV it reads and writes plus its queries and outputs, one roofline for the
   whole batch (one kernel launch);
 - with ``tp > 1``, two ring all-reduces of ``T * hidden`` activations:
   ``2 * (tp - 1) / tp * bytes / interconnect_bandwidth + 2 * (tp - 1) * latency``;
-- ``layer_overhead_s`` (kernel launches not hidden by CUDA graphs; 0 on the GPUs).
+- ``layer_overhead_s`` (kernel launches not hidden by CUDA graphs; 0 on the GPUs) and
+  ``request_overhead_s`` per request (attention that loops over sequences, as our CPU
+  path does; 0 on the GPUs, whose kernels take the whole batch).
 
 The last stage adds the LM head over the sampled tokens; each stage boundary the hand-off
 of ``T`` hidden states and residuals; every step ``step_overhead_s``. Elementwise kernels
@@ -62,6 +66,11 @@ class SimHardware:
     bandwidth_efficiency: float = 1.0  # achievable share of memory bandwidth
     step_overhead_s: float = 0.0  # per step: launch, sampling, host work the device waits on
     layer_overhead_s: float = 0.0  # per layer and step: launches not hidden by CUDA graphs
+    request_overhead_s: float = 0.0  # per request, layer and step: per-sequence attention work
+    # Tokens at which a GEMM reaches half its peak FLOP/s: a small GEMM does not fill the
+    # machine, peak * T / (T + this). 0: every GEMM runs at the peak.
+    gemm_half_tokens: float = 0.0
+    attention_efficiency: float = 1.0  # attention kernels' FLOP/s as a share of the GEMMs'
     interconnect: str = ""
     source: str = ""
     extra: dict[str, object] = field(default_factory=dict)  # anything else the file holds
@@ -192,10 +201,13 @@ class StepCostModel:
 
     def linear_time(self, num_tokens: int) -> float:
         """One layer's four GEMMs over ``num_tokens`` tokens."""
+        t = num_tokens
+        fill = t / (t + self.hw.gemm_half_tokens)  # 1 without gemm_half_tokens
         return sum(
-            self._roofline(2 * num_tokens * i * o, (i * o + num_tokens * (i + o)) * self.bytes)
+            max((i * o + t * (i + o)) * self.bytes / self.bandwidth,
+                2 * t * i * o / (self.peak * fill))
             for i, o in self.linears
-        )
+        )  # fmt: skip
 
     def attention_time(self, work: Sequence[RequestWork]) -> float:
         """One layer's attention over each request's real context, as one kernel."""
@@ -208,7 +220,7 @@ class StepCostModel:
             flops += 4 * self.q_heads * d * attended
             kv_tokens = c + q  # read the context, write (then read) the new tokens
             nbytes += (2 * self.kv_heads * kv_tokens + 2 * self.q_heads * q) * d * self.bytes
-        return self._roofline(flops, nbytes)
+        return max(nbytes / self.bandwidth, flops / (self.peak * self.hw.attention_efficiency))
 
     def all_reduce_time(self, num_tokens: int) -> float:
         """One ring all-reduce of ``num_tokens`` hidden states over the TP group."""
@@ -232,7 +244,9 @@ class StepCostModel:
         cost.linear = layers * self.linear_time(tokens)
         cost.attention = layers * self.attention_time(work)
         cost.all_reduce = layers * 2 * self.all_reduce_time(tokens)
-        cost.overhead += layers * self.hw.layer_overhead_s
+        cost.overhead += layers * (
+            self.hw.layer_overhead_s + len(work) * self.hw.request_overhead_s
+        )
         sampled = sum(w.samples for w in work)
         if sampled:
             rows = a.vocab_size // self.tp
