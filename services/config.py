@@ -114,6 +114,13 @@ class SchedulerConfig:
     scheduling_policy: str = field(
         default="fcfs", metadata=flag("admission order", choices=choices(REQUEST_QUEUES))
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=flag(
+            "plan step N+1 while step N runs; the workers feed N's tokens into N+1 "
+            "(vLLM's --async-scheduling, SGLang's overlap scheduler)"
+        ),
+    )
     max_model_len: int | None = field(
         default=None,
         metadata=flag(
@@ -273,6 +280,11 @@ class EngineConfig:
         if w.sim_speed <= 0:
             raise ConfigError(f"--sim-speed must be positive, got {w.sim_speed}")
         self.parallel.validate()
+        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError(
+                "--async-scheduling with --pipeline-parallel-size > 1 is not supported: the "
+                "pipeline already keeps a plan in flight per stage"
+            )
         if self.parallel.data_parallel_size > 1 and c.prefix_caching_hash_algo == "builtin":
             raise ConfigError(
                 "--prefix-caching-hash-algo builtin hashes differ from process to process, so "

@@ -166,6 +166,9 @@ class StepPlan(msgspec.Struct, **_STRUCT):
     running: list[RunningRequestDelta] = []
     num_scheduled_tokens: list[int] = []
     finished_req_ids: list[str] = []
+    # time.monotonic() when the executor sent it (0: not stamped): the simulated backend's
+    # device starts the step then, or when it finishes the previous one if that is later.
+    sent_at: float = 0.0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

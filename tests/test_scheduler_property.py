@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -143,12 +144,16 @@ _STALE_RESULT_AFTER_RESUME = (
 )  # fmt: skip
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads(), st.sampled_from([1, 1, 2, 3]))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.sampled_from([1, 1, 2, 3, "async", "async"]))
 @example(_STALE_RESULT_AFTER_RESUME, 3)
+@example(_STALE_RESULT_AFTER_RESUME, "async")
 def test_random_workloads_match_unlimited_memory(workload, depth):
-    """Also with a pipeline of ``depth`` stages: plans in flight while the next are made."""
+    """Also with a pipeline of ``depth`` stages (plans in flight while the next are made),
+    and with async scheduling (the next plan builds on tokens still being sampled)."""
     sched_cfg, cache_cfg, num_blocks, specs = workload
+    sched_cfg.async_scheduling = depth == "async"
+    depth = 1 if depth == "async" else depth
     config = EngineConfig(scheduler=sched_cfg, cache=cache_cfg)
     config.parallel.pipeline_parallel_size = depth
     core = EngineCore(
@@ -205,3 +210,37 @@ def test_random_workloads_match_unlimited_memory(workload, depth):
     assert not kv.req_to_blocks and not sched.requests
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_usable_blocks
     sched.check_integrity()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_scheduling_plans_on_tokens_in_flight(async_scheduling: bool) -> None:
+    """With --async-scheduling the next plan goes out before the last one's tokens came
+    back (the worker feeds them in), and no plan computes a token past max_tokens."""
+    events: list[str] = []
+
+    class Recording(SimExecutor):
+        def submit(self, plan: StepPlan) -> None:
+            events.append(f"submit {plan.step_id}" + (" (drops only)" if plan.is_empty else ""))
+            super().submit(plan)
+
+        def collect(self, step_id: int) -> StepResult:
+            events.append(f"collect {step_id}")
+            return super().collect(step_id)
+
+    sched_cfg = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32,
+                                async_scheduling=async_scheduling)  # fmt: skip
+    config = EngineConfig(scheduler=sched_cfg, cache=CacheConfig(block_size=4))
+    core = EngineCore(config, Recording(num_blocks=20, block_size=4, depth=1))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    core.scheduler.add_request(Request("r0", [1, 2, 3], params, eos_token_id=EOS))
+    tokens: list[int] = []
+    while core.has_work():
+        _, outputs = core.step()
+        tokens += [t for out in outputs for t in out.new_token_ids]
+    assert tokens == [token_fn("r0", 3 + i) for i in range(6)]
+    submits = [e for e in events if e.startswith("submit") and "drops" not in e]
+    assert len(submits) == 6  # the prefill (its first token) and five decodes, no seventh
+    if async_scheduling:
+        assert events[:4] == ["submit 0", "submit 1", "collect 0", "submit 2"]
+    else:
+        assert events[:4] == ["submit 0", "collect 0", "submit 1", "collect 1"]

@@ -40,3 +40,8 @@ class WorkerBackend(ABC):
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def device_seconds(self) -> tuple[float, float] | None:
+        """(busy, idle) seconds of the device so far, where the backend models a device's
+        timeline (the simulated one); None otherwise."""
+        return None

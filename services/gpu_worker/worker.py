@@ -23,7 +23,7 @@ from services.gpu_worker.distributed import init_distributed, rank_state
 from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
 from services.ipc import PushSocket, SubSocket, report_ready
 from services.logging_utils import init_logger
-from services.metrics.process_metrics import worker_forward_time
+from services.metrics.process_metrics import device_seconds, worker_forward_time
 from services.model_loader import load_hf_config
 from services.protocol import StepPlan, StepResult
 from services.scheduler.capacity import check_kv_capacity
@@ -68,6 +68,8 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         else None
     )
     forward_time = worker_forward_time(config, rank, dp_rank)
+    device = device_seconds(config, rank, dp_rank)
+    device_last = (0.0, 0.0)
     trace = StepTrace.from_env(rank, dp_rank)
     report_ready(control_endpoint, "worker", num_blocks, rank, dp_rank)
     # The scheduler going away (its process, or node 0 for a rank on another machine)
@@ -92,6 +94,10 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         result = worker.execute(plan)
         end = clock.perf_counter()
         forward_time.observe(end - start)
+        if (seen := worker.device_seconds()) is not None:
+            for state, total, last in zip(("busy", "idle"), seen, device_last, strict=True):
+                device[state].inc(total - last)
+            device_last = seen
         if trace is not None:
             trace.record(plan, start, end)
         if results is not None:

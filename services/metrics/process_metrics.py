@@ -44,6 +44,15 @@ def worker_forward_time(config: ServeConfig, rank: int = 0, engine_index: int = 
                       engine_index, rank=str(rank))  # fmt: skip
 
 
+def device_seconds(config: ServeConfig, rank: int = 0, engine_index: int = 0) -> Any:
+    """``actorserve:device_seconds_total{rank,state}``: the modelled device's busy and idle
+    time (simulated backend only): idle is time it waited for the engine's next plan."""
+    counter = Counter("actorserve:device_seconds", "Modelled device time by state (sim backend).",
+                      (*LABEL_NAMES, "rank", "state"), registry=None)  # fmt: skip
+    labels = label_values(config, engine_index)
+    return {s: counter.labels(*labels, str(rank), s) for s in ("busy", "idle")}
+
+
 def api_requests(model_name: str, engine_index: int = 0) -> Any:
     """``actorserve:api_requests``: engine requests the api_server sent (one per choice)."""
     return Counter("actorserve:api_requests", "Engine requests sent by the api_server.",

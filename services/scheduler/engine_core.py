@@ -8,6 +8,7 @@ admission rules, the step and the bookkeeping after it exist once.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from services import clock
 from services.config import EngineConfig
@@ -30,13 +31,16 @@ class EngineCore:
     ) -> None:
         self.executor = executor
         # One plan in flight per pipeline stage: the stages work on different micro-batches.
-        self.pipeline_depth = config.parallel.pipeline_parallel_size
+        # Async scheduling keeps a second plan in flight: planned while the first runs.
+        pp = config.parallel.pipeline_parallel_size
+        self.pipeline_depth = 2 if config.scheduler.async_scheduling else pp
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
             executor.num_blocks,
             enable_kv_cache_events=enable_kv_cache_events,
-            pipeline_depth=self.pipeline_depth,
+            pipeline_depth=pp,
+            async_scheduling=config.scheduler.async_scheduling,
         )
         self.last_execute_s = 0.0  # the wait for the workers in the last step, for metrics
         self._in_flight: deque[StepPlan] = deque()  # submitted, result not yet taken in
@@ -57,22 +61,30 @@ class EngineCore:
         s = self.scheduler
         return bool(self._in_flight) or s.has_unfinished_requests() or s.has_finished_requests()
 
-    def step(self) -> tuple[StepPlan, list[RequestTokens]]:
+    def step(
+        self, while_busy: Callable[[], None] | None = None
+    ) -> tuple[StepPlan, list[RequestTokens]]:
         """One step: submit plans until ``pipeline_depth`` are out (vLLM's batch queue: with
-        pipeline parallelism each stage works on its own micro-batch), then take in the
-        oldest one's result. A plan with nothing to compute still tells the workers what
-        finished; one with nothing at all is not sent."""
+        pipeline parallelism each stage works on its own micro-batch; with async scheduling
+        the next plan is out while this one runs), call ``while_busy`` (the host's other
+        work, done while the workers compute), then take in the oldest plan's result. A
+        plan with nothing to compute still tells the workers what finished; one with
+        nothing at all is not sent."""
         self.last_execute_s = 0.0
         while len(self._in_flight) < self.pipeline_depth:
             plan = self.scheduler.schedule()
             if plan.is_empty and not plan.finished_req_ids:
                 if not self._in_flight:
+                    if while_busy is not None:
+                        while_busy()
                     return plan, self.scheduler.update_from_output(plan, None)
                 break  # nothing new to start: wait for the oldest plan instead
             start = clock.perf_counter()
             self.executor.submit(plan)  # runs the plan in place with one in-process rank
             self.last_execute_s += clock.perf_counter() - start
             self._in_flight.append(plan)
+        if while_busy is not None:
+            while_busy()
         plan = self._in_flight.popleft()
         start = clock.perf_counter()
         result = self.executor.collect(plan.step_id)

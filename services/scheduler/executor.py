@@ -13,7 +13,9 @@ it never touches worker sockets or processes itself.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,14 +70,16 @@ class UniprocExecutor(Executor):
         max_len = config.scheduler.resolved_max_model_len
         check_kv_capacity(self.num_blocks, config.cache.block_size, max_len)
         self.worker.initialize_kv_cache(self.num_blocks)
-        self._result: StepResult | None = None
+        # Run at submit; taken in order (async scheduling submits a second plan first).
+        self._results: deque[StepResult] = deque()
 
     def submit(self, plan: StepPlan) -> None:
-        self._result = self.worker.execute(plan)
+        plan.sent_at = time.monotonic()
+        self._results.append(self.worker.execute(plan))
 
     def collect(self, step_id: int) -> StepResult:
-        result, self._result = self._result, None
-        assert result is not None and result.step_id == step_id
+        result = self._results.popleft()
+        assert result.step_id == step_id, (result.step_id, step_id)
         return result
 
 
@@ -113,6 +117,7 @@ class MultiprocExecutor(Executor):
             )
 
     def submit(self, plan: StepPlan) -> None:
+        plan.sent_at = time.monotonic()
         self._plans.send(plan)
 
     def collect(self, step_id: int) -> StepResult:

@@ -82,6 +82,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_tokens_at_workers = 0  # known tokens as of the last plan that scheduled it
         self.admitted_step_id = -1  # the plan that last moved it from waiting to running
+        # Async scheduling: tokens that plans in flight will sample, not yet known here.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -72,9 +72,11 @@ class Scheduler:
         *,
         enable_kv_cache_events: bool = False,
         pipeline_depth: int = 1,
+        async_scheduling: bool = False,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.pipeline_depth = pipeline_depth
+        self.async_scheduling = async_scheduling
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len or sys.maxsize
         if scheduler_config.max_model_len:
@@ -184,17 +186,19 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Running requests: decodes first, then unfinished prefill chunks.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes = [r for r in self.running if _num_to_compute(r) <= 1]
+        prefills = [r for r in self.running if _num_to_compute(r) > 1]
         micro_batch = -(-len(self.running) // self.pipeline_depth)  # requests per plan
         for request in itertools.chain(decodes, prefills):
             if token_budget == 0 or len(scheduled_running) >= micro_batch:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = _num_to_compute(request)
             if num_new == 0:
                 continue  # its sampled token has not come back yet
+            if request.num_output_placeholders and self._ends_in_flight(request):
+                continue  # a step for it would compute a token past its end
             if 0 < threshold < num_new:
                 num_new = threshold
             num_new = min(num_new, token_budget)
@@ -278,12 +282,22 @@ class Scheduler:
         for request in itertools.chain(scheduled_new, scheduled_running):
             request.num_computed_tokens += num_scheduled[request.req_id]
             request.num_tokens_at_workers = request.num_tokens
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 sampling.add(request.req_id)
+                if self.async_scheduling:
+                    request.num_output_placeholders += 1  # the next plan may build on it
         if sampling:
             self._sampling_by_step[plan.step_id] = sampling
         self._last_step_num_tokens = plan.total_num_scheduled_tokens
         return plan
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The tokens its plans in flight sample end it by length (async scheduling)."""
+        pending = request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens + pending >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens + pending >= max_tokens
+        )
 
     def _preempt_one(self) -> Request:
         """Preempt the newest (priority policy: lowest priority, then latest) running request."""
@@ -295,6 +309,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0  # what its plans in flight sample is dropped
         victim.num_preemptions += 1
         victim.waiting_reason = "capacity"
         victim.record_event(RequestEventType.PREEMPTED)
@@ -349,6 +364,8 @@ class Scheduler:
             if (chunk := prompt_logprobs.get(req_id)) is not None:
                 request.add_prompt_logprobs(chunk)
             i = sampled.get(req_id)
+            if req_id in expected and self.async_scheduling:
+                request.num_output_placeholders -= 1
             if req_id not in expected:  # a prefill chunk short of the prompt's end
                 if i is not None:
                     logger.warning(
@@ -467,3 +484,9 @@ class Scheduler:
                 problems.append(f"{r}: waiting with computed tokens")
         if problems:
             raise RuntimeError("scheduler integrity: " + "; ".join(problems))
+
+
+def _num_to_compute(request: Request) -> int:
+    """Tokens of the request not yet in any plan: known ones, and with async scheduling the
+    ones its plans in flight sample (the workers feed those in themselves)."""
+    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens

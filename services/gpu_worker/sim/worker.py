@@ -7,6 +7,12 @@ roofline model (``cost_model.py``) gives the simulated device for the plan's rea
 weights are loaded and no KV cache is allocated, but the block pool has the size the
 simulated device would give it.
 
+The device keeps its own timeline: a step starts when its plan was sent (``sent_at``) or
+when the previous step ends, whichever is later, and this process sleeps until the step's
+end; ``device_seconds`` reports the busy time and the time the device waited for plans
+(``actorserve:device_seconds_total``). A late wake-up of this process on a busy host is
+made up in the next step rather than counted against the engine.
+
 Only the output rank (TP rank 0 of the last stage) models the step: it alone returns
 tokens, and it charges the time of every stage (ranks of a stage run in parallel; the
 stages of one step run one after another: the simulation does not overlap a pipeline's
@@ -161,6 +167,8 @@ class SimWorker(WorkerBackend):
         self.low = min(100, self.high // 2)  # past the special tokens at the start
         self.requests: dict[str, _SimRequest] = {}
         self.modelled_s = 0.0  # the device's busy time so far, in simulated seconds
+        self.idle_s = 0.0  # its time waiting for a plan after the first, simulated seconds
+        self._free_at: float | None = None  # (time.monotonic) when it ends its last step
 
     def determine_num_blocks(self) -> int:
         """What ``--gpu-memory-utilization`` of the simulated memory holds after the
@@ -225,7 +233,7 @@ class SimWorker(WorkerBackend):
         return sim
 
     def execute(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
+        arrived = time.monotonic()
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
         if not self.parallel.is_output_rank:
@@ -250,7 +258,18 @@ class SimWorker(WorkerBackend):
             result.logprobs = []  # none asked: nothing on the wire
         modelled = self.cost.step_time(work)
         self.modelled_s += modelled
-        remaining = start + modelled * self.speed - time.perf_counter()
+        # The device's timeline: it starts the step when the plan was sent, or when it ends
+        # the previous step if that is later. A late wake-up of this process (a busy host)
+        # is made up in the next step, as a device that never waited would.
+        start = plan.sent_at or arrived
+        if self._free_at is not None:
+            self.idle_s += max(0.0, start - self._free_at) / self.speed
+            start = max(start, self._free_at)
+        self._free_at = start + modelled * self.speed
+        remaining = self._free_at - time.monotonic()
         if remaining > 0:
             time.sleep(remaining)
         return result
+
+    def device_seconds(self) -> tuple[float, float]:
+        return self.modelled_s, self.idle_s
