@@ -15,7 +15,24 @@ when the last one ends; 128-token prompts, outputs of up to 512 tokens with
 
     .venv/bin/python -m bench.scale overhead [--running 64 256 1024] [--window 20]
 
-Writes ``bench/out/scale_overhead.json`` and a PNG beside it, prints a table. The client
+``rates``: chat requests with ShareGPT-like lengths (prompts 23 to 437 tokens, outputs 20
+to 380, uniform around ShareGPT's means of ~230 and ~200; fixed seed) at rising Poisson
+rates: throughput, TTFT/ITL percentiles, goodput (TTFT <= 500 ms, TPOT <= 50 ms), and the
+limits the seeds' troubleshooting tables read: peak running (against ``--max-num-seqs``),
+peak waiting, preemptions.
+
+``budget``: ``--max-num-batched-tokens`` 512 / 2,048 / 8,192 / 16,384 on a mix of long
+prompts and chat (random prompts of 200 to 3,900 tokens, 128 output tokens, Poisson
+arrivals at ``--rate``, 15/s by default: ~70 % of the H200's prefill compute): the TTFT-ITL
+trade-off of the seeds, with numbers.
+
+``prefix``: prefix caching on and off for chat with a shared 1,024-token system prompt
+(the ``chat`` dataset: multi-turn conversations): hit rate, prompt tokens computed, TTFT.
+
+Both run ``actorserve bench`` (streaming, ``--scrape-metrics``) against a fresh simulated
+server per point; all times are simulated seconds at ``--sim-speed 1``.
+
+Writes ``bench/out/scale_<experiment>.json`` and a PNG beside it, prints a table. The client
 runs on the same machine and takes CPU from the server: on the 2-core development machine
 that is part of what the numbers show (see bench/RESULTS.md).
 """
@@ -211,6 +228,132 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def bench_point(server_args: list[str], bench_args: list[str], name: str) -> dict[str, Any]:
+    """One fresh simulated server, one ``actorserve bench`` run against it: its result."""
+    server = SimServer(*server_args)
+    try:
+        server.wait_ready()
+        out_dir = OUT / "scale_runs"
+        cmd = [sys.executable, "-m", "launch.cli", "bench", "--base-url", server.url,
+               "--scrape-metrics", "--disable-tqdm", "--no-plots", "--result-dir", str(out_dir),
+               "--result-filename", f"{name}.json", *bench_args]  # fmt: skip
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        return json.loads((out_dir / f"{name}.json").read_text())  # type: ignore[no-any-return]
+    finally:
+        server.close()
+
+
+def _ms(result: dict[str, Any], key: str) -> float:
+    return float(result.get(key) or float("nan"))
+
+
+BUDGET_BENCH = ["--dataset-name", "random", "--random-input-len", "2048",
+                "--random-range-ratio", "0.9", "--random-output-len", "128", "--ignore-eos",
+                "--num-prompts", "300", "--seed", "1"]  # fmt: skip
+PREFIX_BENCH = ["--dataset-name", "chat", "--chat-system-len", "1024", "--chat-num-turns", "4",
+                "--chat-user-len", "64", "--chat-assistant-len", "64", "--chat-output-len", "64",
+                "--ignore-eos", "--num-prompts", "400", "--request-rate", "20",
+                "--seed", "1"]  # fmt: skip
+
+
+RATES_BENCH = ["--dataset-name", "random", "--random-input-len", "230",
+               "--random-range-ratio", "0.9", "--random-output-len", "200", "--ignore-eos",
+               "--seed", "1", "--goodput", "ttft:500", "tpot:50"]  # fmt: skip
+
+
+def rates_experiment(rates: list[float], num_prompts: int) -> list[dict]:
+    rows = []
+    print(f"{'rate':>6} {'tok/s':>7} {'goodput':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'running':>8} {'waiting':>8} {'preempt':>8}",
+          flush=True)  # fmt: skip
+    for rate in rates:
+        bench = [*RATES_BENCH, "--num-prompts", str(num_prompts), "--request-rate", str(rate)]
+        r = bench_point(["--async-scheduling"], bench, f"rate-{rate:g}")
+        timeline = r.get("server_timeline") or [(0, 0, 0)]
+        deltas = r.get("server_metrics") or {}
+        row = {"request_rate": rate, "output_tok_s": _ms(r, "output_throughput"),
+               "goodput_req_s": _ms(r, "request_goodput"),
+               "ttft_p50_ms": _ms(r, "median_ttft_ms"), "ttft_p99_ms": _ms(r, "p99_ttft_ms"),
+               "itl_p50_ms": _ms(r, "median_itl_ms"), "itl_p99_ms": _ms(r, "p99_itl_ms"),
+               "peak_running": max(t[1] for t in timeline),
+               "peak_waiting": max(t[2] for t in timeline),
+               "preemptions": deltas.get("num_preemptions"), "completed": r.get("completed")}  # fmt: skip
+        rows.append(row)
+        print(f"{rate:>6g} {row['output_tok_s']:>7.0f} {row['goodput_req_s']:>8.1f} "
+              f"{row['ttft_p50_ms']:>9.1f} {row['ttft_p99_ms']:>9.1f} {row['itl_p50_ms']:>8.2f} "
+              f"{row['itl_p99_ms']:>8.2f} {row['peak_running']:>8.0f} {row['peak_waiting']:>8.0f} "
+              f"{row['preemptions'] or 0:>8.0f}", flush=True)  # fmt: skip
+    return rows
+
+
+def budget_experiment(budgets: list[int], rate: float) -> list[dict]:
+    rows = []
+    print(f"{'budget':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'tok/s':>7}", flush=True)  # fmt: skip
+    for budget in budgets:
+        server = ["--max-num-batched-tokens", str(budget), "--max-model-len", "4096",
+                  "--async-scheduling"]  # fmt: skip
+        bench = [*BUDGET_BENCH, "--request-rate", str(rate)]
+        r = bench_point(server, bench, f"budget-{budget}")
+        row = {"max_num_batched_tokens": budget, "request_rate": rate, "ttft_p50_ms": _ms(r, "median_ttft_ms"),
+               "ttft_p99_ms": _ms(r, "p99_ttft_ms"), "itl_p50_ms": _ms(r, "median_itl_ms"),
+               "itl_p99_ms": _ms(r, "p99_itl_ms"), "output_tok_s": _ms(r, "output_throughput"),
+               "completed": r.get("completed")}  # fmt: skip
+        rows.append(row)
+        print(f"{budget:>7} {row['ttft_p50_ms']:>9.1f} {row['ttft_p99_ms']:>9.1f} "
+              f"{row['itl_p50_ms']:>8.2f} {row['itl_p99_ms']:>8.2f} {row['output_tok_s']:>7.0f}",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def prefix_experiment() -> list[dict]:
+    rows = []
+    print(f"{'prefix caching':>14} {'hit rate':>8} {'prefill tokens':>14} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9}", flush=True)  # fmt: skip
+    for on in (True, False):
+        flag = "--enable-prefix-caching" if on else "--no-enable-prefix-caching"
+        r = bench_point(
+            [flag, "--async-scheduling"], PREFIX_BENCH, f"prefix-{'on' if on else 'off'}"
+        )
+        deltas = r.get("server_metrics") or {}
+        row = {"prefix_caching": on, "hit_rate": deltas.get("prefix_cache_hit_rate"),
+               "prefill_tokens_computed": deltas.get("prefill_kv_computed_tokens"),
+               "ttft_p50_ms": _ms(r, "median_ttft_ms"), "ttft_p99_ms": _ms(r, "p99_ttft_ms"),
+               "completed": r.get("completed")}  # fmt: skip
+        rows.append(row)
+        print(f"{'on' if on else 'off':>14} {row['hit_rate'] or 0:>8.1%} "
+              f"{row['prefill_tokens_computed'] or 0:>14.0f} {row['ttft_p50_ms']:>9.1f} "
+              f"{row['ttft_p99_ms']:>9.1f}", flush=True)  # fmt: skip
+    return rows
+
+
+def plot_sweep(rows: list[dict], x: str, xlabel: str, path: Path, log_x: bool = False) -> None:
+    """TTFT and ITL percentiles (and the prefix experiment's TTFT) against ``x``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [float(r[x]) for r in rows]
+    for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "s--")):
+        a.plot(xs, [r[key] for r in rows], style, label=key.replace("_ms", "").replace("_", " "))
+    for key, style in (("itl_p50_ms", "o-"), ("itl_p99_ms", "s--")):
+        if key in rows[0]:
+            b.plot(
+                xs, [r[key] for r in rows], style, label=key.replace("_ms", "").replace("_", " ")
+            )
+    for ax, what in ((a, "TTFT (ms)"), (b, "ITL (ms)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(what)
+        ax.legend()
+        if log_x:
+            ax.set_xscale("log", base=2)
+    fig.suptitle("Llama-3-8B on a simulated H200 (simulated ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="experiment", required=True)
@@ -219,7 +362,31 @@ def main() -> int:
     p.add_argument("--window", type=float, default=20.0, help="seconds measured per point")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--async-scheduling", choices=["off", "on", "both"], default="both")
+    b = sub.add_parser("budget", help="--max-num-batched-tokens: TTFT against ITL")
+    b.add_argument("--budgets", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    b.add_argument("--rate", type=float, default=15.0, help="requests/s (Poisson)")
+    sub.add_parser("prefix", help="prefix caching on and off, shared system prompt")
+    r = sub.add_parser("rates", help="ShareGPT-like chat at rising request rates")
+    r.add_argument("--rates", type=float, nargs="+", default=[10, 20, 40, 60])
+    r.add_argument("--num-prompts", type=int, default=1000, help="per rate (the issue: 10,000)")
     args = parser.parse_args()
+    if args.experiment in ("budget", "prefix", "rates"):
+        if args.experiment == "rates":
+            rows = rates_experiment(args.rates, args.num_prompts)
+        elif args.experiment == "budget":
+            rows = budget_experiment(args.budgets, args.rate)
+        else:
+            rows = prefix_experiment()
+        OUT.mkdir(parents=True, exist_ok=True)
+        path = OUT / f"scale_{args.experiment}.json"
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+        if args.experiment == "rates":
+            plot_sweep(rows, "request_rate", "requests/s", path.with_suffix(".png"))
+        elif args.experiment == "budget":
+            plot_sweep(rows, "max_num_batched_tokens", "--max-num-batched-tokens",
+                       path.with_suffix(".png"), log_x=True)  # fmt: skip
+        print(f"wrote {path}")
+        return 0
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     rows = []
     header = (f"{'running':>7} {'async':>5} {'idle':>6} {'steps/s':>8} {'step ms':>8} "
