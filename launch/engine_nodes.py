@@ -27,11 +27,13 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 
+import msgspec
 import zmq
 
-from services.config import EngineAddresses, ParallelConfig, ServeConfig
+from services.config import ConfigError, EngineAddresses, ParallelConfig, ServeConfig
 from services.ipc import PullSocket, PushSocket
 from services.logging_utils import init_logger
 from services.metrics.registry import MULTIPROC_ENV, REMOTE_METRICS_SUFFIX, render_latest
@@ -46,8 +48,9 @@ from services.protocol import (
 logger = init_logger(__name__)
 
 STATUS_INTERVAL_S = 1.0
-HEARTBEAT_TIMEOUT_S = 10.0
-_ZMQ_HEARTBEAT: dict[int, int] = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 5000}
+CLOSED_SILENCE_S = 2.5  # after a connection closed, a node this long silent is dead
+HEARTBEAT_TIMEOUT_S = 10.0  # without a close: a machine that vanished
+_ZMQ_HEARTBEAT: dict[int, int] = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 10_000}
 
 
 def head_endpoints(parallel: ParallelConfig) -> tuple[str, str]:
@@ -62,6 +65,13 @@ def address_towards(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return str(s.getsockname()[0])
+
+
+def check_free(endpoint: str) -> None:
+    """Raise OSError if ``tcp://host:port`` cannot be bound now."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    with socket.socket() as s:
+        s.bind((host, int(port)))
 
 
 def free_port(host: str) -> int:
@@ -87,13 +97,24 @@ class EngineNodes:
         self.remote = [
             d for d in range(parallel.data_parallel_size) if d not in parallel.local_engines
         ]
-        endpoint, _ = head_endpoints(parallel)
-        self.socket = PullSocket[EngineNodeMessage](endpoint, EngineNodeMessage, bind=True)
-        # A node's process that dies closes its connection: notice at once, not after
-        # the heartbeat timeout (that is for a machine that vanished).
+        endpoint, detok = head_endpoints(parallel)
+        try:
+            self.socket = PullSocket[EngineNodeMessage](endpoint, EngineNodeMessage, bind=True)
+            check_free(detok)  # the detokenizer binds it later: fail now, not after the loads
+        except (zmq.ZMQError, OSError) as e:
+            raise ConfigError(
+                f"cannot listen on {endpoint} and the next port ({e}): --data-parallel-address "
+                "must be an IPv4 address of this machine and --data-parallel-rpc-port and the "
+                "port after it free"
+            ) from None
+        # A closed connection is only a hint (a port scan closes one too): the nodes that
+        # stay silent after it are the dead ones, found in CLOSED_SILENCE_S, not in
+        # HEARTBEAT_TIMEOUT_S (that is for a machine that vanished without closing).
         self._closed = self.socket.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._closed_at: float | None = None
+        self._nodes: dict[str, list[int]] = {}  # accepted node id -> its engine cores
         self._ready: set[int] = set()
-        self._last_seen: dict[tuple[int, ...], float] = {}
+        self._last_seen: dict[str, float] = {}
         self._failure: str | None = None
         folder = os.environ.get(MULTIPROC_ENV)
         self._metrics_dir = Path(folder) if folder else None
@@ -108,33 +129,56 @@ class EngineNodes:
     def poll(self) -> list[Ready]:
         """Handle what arrived; the ``Ready`` records it completes."""
         out: list[Ready] = []
-        while (msg := self.socket.recv_nowait()) is not None:
+        while True:
+            try:
+                msg = self.socket.recv_nowait()
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.warning("ignoring an undecodable message on the engine nodes' port: %s", e)
+                continue
+            if msg is None:
+                break
             if isinstance(msg, EngineNodeHello):
-                for d, core in msg.engine_cores.items():
-                    if d not in self.remote or d in self.config.endpoints.remote_engines:
-                        self._failure = f"an engine node announced engine core {d} twice or wrongly"
-                        continue
-                    addresses = EngineAddresses(core, msg.engine_states[d])
-                    self.config.endpoints.remote_engines[d] = addresses
-                    out.append(Ready("engine address", 0, engine=d))
-                    logger.info("engine core %d is on another machine at %s", d, core)
+                out += self._hello(msg)
                 continue
-            node = tuple(msg.engines)
+            engines = self._nodes.get(msg.node)
+            if engines is None:
+                continue  # a node that was refused (its hello said why)
             if isinstance(msg, EngineNodeDown):
-                self._failure = f"engine node of engine cores {list(node)}: {msg.reason}"
+                self._failure = f"engine node of engine cores {engines}: {msg.reason}"
                 continue
-            self._last_seen[node] = time.monotonic()
-            if msg.ready and not self._ready.issuperset(node):
-                self._ready.update(node)
-                out += [Ready("remote engine", 0, engine=d) for d in node]
+            self._last_seen[msg.node] = time.monotonic()
+            if msg.ready and not self._ready.issuperset(engines):
+                self._ready.update(engines)
+                out += [Ready("remote engine", 0, engine=d) for d in engines]
             if msg.metrics and self._metrics_dir is not None:
-                name = f"engines-{'-'.join(map(str, node))}{REMOTE_METRICS_SUFFIX}"
+                name = f"engines-{'-'.join(map(str, engines))}{REMOTE_METRICS_SUFFIX}"
                 tmp = self._metrics_dir / f".{name}.tmp"
                 tmp.write_text(msg.metrics)
                 tmp.replace(self._metrics_dir / name)  # a scrape never reads half of it
-        if self._closed.poll(0) and self._failure is None:
-            self._failure = "an engine node's connection closed (its launcher died)"
+        while self._closed.poll(0):
+            self._closed.recv_multipart()
+            self._closed_at = time.monotonic()
         return out
+
+    def _hello(self, msg: EngineNodeHello) -> list[Ready]:
+        engines = sorted(msg.engine_cores)
+        known = self.config.endpoints.remote_engines
+        wrong = [d for d in engines if d not in self.remote or d in known]
+        if wrong or not engines or set(msg.engine_states) != set(engines):
+            logger.error(
+                "refusing an engine node that announced engine cores %s: each must be one of "
+                "%s and not announced before (check its --data-parallel-start-rank and "
+                "--data-parallel-size-local)",
+                engines,
+                [d for d in self.remote if d not in known],
+            )
+            return []
+        self._nodes[msg.node] = engines
+        self._last_seen[msg.node] = time.monotonic()
+        for d in engines:
+            known[d] = EngineAddresses(msg.engine_cores[d], msg.engine_states[d])
+            logger.info("engine core %d is on another machine at %s", d, msg.engine_cores[d])
+        return [Ready("engine address", 0, engine=d) for d in engines]
 
     def failure(self) -> str | None:
         """Why an engine node is gone: it reported a death, or went silent."""
@@ -142,8 +186,12 @@ class EngineNodes:
             return self._failure
         now = time.monotonic()
         for node, seen in self._last_seen.items():
+            engines = self._nodes[node]
+            closed = self._closed_at
+            if closed is not None and seen < closed and now - closed > CLOSED_SILENCE_S:
+                return f"engine node of engine cores {engines} closed its connection"
             if now - seen > HEARTBEAT_TIMEOUT_S:
-                return f"engine node of engine cores {list(node)} is silent for {now - seen:.0f} s"
+                return f"engine node of engine cores {engines} is silent for {now - seen:.0f} s"
         return None
 
     def close(self) -> None:
@@ -169,8 +217,10 @@ class EngineNode:
         self._lost = self.socket.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.ready = False
         self._next_status = 0.0
+        self.node = uuid.uuid4().hex
         self.socket.send(
             EngineNodeHello(
+                self.node,
                 {d: ep.remote_engines[d].engine_core for d in self.engines},
                 {d: ep.remote_engines[d].engine_state for d in self.engines},
             )
@@ -184,11 +234,16 @@ class EngineNode:
         if now < self._next_status:
             return
         self._next_status = now + STATUS_INTERVAL_S
-        metrics = render_latest()[0].decode() if os.environ.get(MULTIPROC_ENV) else ""
-        self.socket.send(EngineNodeStatus(self.engines, self.ready, metrics))
+        metrics = ""
+        if os.environ.get(MULTIPROC_ENV):
+            try:
+                metrics = render_latest()[0].decode()
+            except Exception:  # a child's metrics file half-created: the next beat has it
+                logger.debug("metrics not readable this beat", exc_info=True)
+        self.socket.send(EngineNodeStatus(self.node, self.engines, self.ready, metrics))
 
     def down(self, reason: str) -> None:
-        self.socket.send(EngineNodeDown(self.engines, reason))
+        self.socket.send(EngineNodeDown(self.node, self.engines, reason))
         self.socket.socket.close(linger=2000)  # let it leave before this process ends
 
     def close(self) -> None:

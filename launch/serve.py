@@ -342,11 +342,11 @@ def _check_headless(parallel: ParallelConfig, headless: bool) -> None:
                 f"the other nodes (--node-rank > 0); this is node {parallel.node_rank}"
             )
     elif headless:
-        if not parallel.engines_span_nodes or not parallel.local_engines:
+        if parallel.data_parallel_size_local is None or not parallel.local_engines:
             raise ConfigError(
                 "--headless runs part of a server on another machine: worker ranks "
                 "(--nnodes > 1 --node-rank R) or engine cores (--data-parallel-size-local "
-                "N --data-parallel-start-rank S, N > 0, fewer than --data-parallel-size)"
+                "N --data-parallel-start-rank S, N > 0)"
             )
     elif parallel.data_parallel_start_rank != 0:
         raise ConfigError(

@@ -279,6 +279,13 @@ class EngineConfig:
             raise ConfigError("--sim-model and --sim-eos are for --worker-backend sim")
         if w.sim_speed <= 0:
             raise ConfigError(f"--sim-speed must be positive, got {w.sim_speed}")
+        if w.worker_backend == "sim" and (
+            self.parallel.nnodes > 1 or (w.sim_speed != 1.0 and self.parallel.engines_span_nodes)
+        ):
+            raise ConfigError(
+                "--worker-backend sim keeps its device's timeline and simulated time on this "
+                "machine's clock: run it on one machine (engine nodes only at --sim-speed 1)"
+            )
         self.parallel.validate()
         if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
             raise ConfigError(

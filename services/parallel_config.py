@@ -159,10 +159,11 @@ class ParallelConfig:
                 )
             if self.master_port is None:
                 raise ConfigError("--nnodes > 1 needs --master-port: every node must give the same")
-            if self.data_parallel_size_local is not None:
+            if self.data_parallel_size > 1 or self.data_parallel_size_local is not None:
                 raise ConfigError(
-                    "--nnodes > 1 spreads one engine core's ranks over machines and "
-                    "--data-parallel-size-local spreads engine cores: use one or the other"
+                    "--nnodes > 1 spreads one engine core's ranks over machines; to spread "
+                    "data-parallel engine cores use --data-parallel-size-local (and "
+                    "--headless on the other machines) instead"
                 )
         local, start = self.data_parallel_size_local, self.data_parallel_start_rank
         if local is not None and not 0 <= local <= self.data_parallel_size:

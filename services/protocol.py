@@ -521,9 +521,10 @@ class Ready(msgspec.Struct, **_STRUCT):
 
 
 class EngineNodeHello(msgspec.Struct, **_TAGGED):
-    """An engine node is starting these engine cores; each binds its input and state
-    sockets at these addresses on that machine."""
+    """An engine node (``node``: a random id per start) is starting these engine cores;
+    each binds its input and state sockets at these addresses on that machine."""
 
+    node: str
     engine_cores: dict[int, str]
     engine_states: dict[int, str]
 
@@ -532,6 +533,7 @@ class EngineNodeStatus(msgspec.Struct, **_TAGGED):
     """Every second: whether the node's engine cores are all READY, and its processes'
     Prometheus text (node 0's ``/metrics`` includes it). Also the node's heartbeat."""
 
+    node: str
     engines: list[int]
     ready: bool
     metrics: str = ""
@@ -540,6 +542,7 @@ class EngineNodeStatus(msgspec.Struct, **_TAGGED):
 class EngineNodeDown(msgspec.Struct, **_TAGGED):
     """A process of the engine node died; the node is stopping."""
 
+    node: str
     engines: list[int]
     reason: str
 

@@ -9,6 +9,7 @@ import concurrent.futures
 import httpx
 import pytest
 
+from services.config import EngineConfig
 from services.engine import LLM, SamplingParams
 from tests.server_utils import RemoteServer
 
@@ -69,3 +70,63 @@ def test_async_scheduling_with_pipeline_parallel_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="--async-scheduling with --pipeline-parallel-size"):
         EngineConfig.from_kwargs(async_scheduling=True, pipeline_parallel_size=2)
+
+
+def _engine_core_proc(async_scheduling: bool):
+    """The scheduler process's loop object (step, _flush, _handle) without its sockets, over
+    an EngineCore with the property test's simulated workers."""
+    import logging
+    import queue
+
+    from services.config import CacheConfig, SchedulerConfig, ServeConfig
+    from services.metrics.engine_core import EngineCoreMetrics
+    from services.scheduler.engine_core import EngineCore
+    from services.scheduler.service import EngineCoreProc
+    from tests.test_scheduler_property import SimExecutor
+
+    class Sent(list):
+        def send(self, msg) -> None:
+            self.append(msg)
+
+    sched = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64,
+                            async_scheduling=async_scheduling)  # fmt: skip
+    engine = EngineConfig(scheduler=sched, cache=CacheConfig(block_size=4))
+    proc = EngineCoreProc.__new__(EngineCoreProc)
+    proc.dp_rank, proc._early_aborts, proc._debug = 0, {}, False
+    proc.core = EngineCore(engine, SimExecutor(64, 4, 1))
+    proc.scheduler = proc.core.scheduler
+    proc._inputs = queue.SimpleQueue()
+    proc._detok, proc._kv_events, proc._kv_event_seq, proc._state = Sent(), None, 0, None
+    proc._last_load, proc._received, proc._unsent = (0, 0), False, None
+    config = ServeConfig(engine=engine, served_model_names=["m"])
+    proc.metrics = EngineCoreMetrics(config, proc.scheduler, logging.getLogger(__name__))
+    return proc
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_aborted_while_their_plan_runs_leave_no_metrics_state(async_scheduling) -> None:
+    """Found in review: with the step's host work deferred, a request aborted while the plan
+    that admitted it was in flight was recorded finished before that plan's step, and stayed
+    in the metrics' table of requests awaiting their first token forever."""
+    from services.protocol import Abort, TokenizedRequest
+
+    def request(req_id: str, prompt: list[int], max_tokens: int) -> TokenizedRequest:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return TokenizedRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params)
+
+    proc = _engine_core_proc(async_scheduling)
+    proc._handle(request("busy", [1, 2, 3], 30))
+    proc.step()
+    for i in range(10):
+        proc._handle(request(f"x{i}", [5, 6, 7, 8, 9], 5))
+        proc.step()  # x_i admitted; with async scheduling its plan is still out
+        proc._handle(Abort([f"x{i}"]))
+        proc.step()
+    while proc.core.has_work():
+        proc.step()
+    proc._flush()
+    assert proc.metrics.engine._prefilling == {}
+    pool = proc.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    finished = [t for batch in proc._detok for t in batch.items if t.finish_reason]
+    assert sorted(t.req_id for t in finished) == ["busy", *[f"x{i}" for i in range(10)]]

@@ -158,6 +158,20 @@ def test_engine_cores_on_two_nodes_serve_like_one(small_model: Path) -> None:
             assert complete(prompts[0], {"X-data-parallel-rank": "1"}) == want[0]
             assert _successes(node0, "1", at_least=by_engine[1] + 1) == by_engine[1] + 1
             assert _successes(node0, "0") == by_engine[0]
+            # What is not an engine node on the RPC port changes nothing: a connection that
+            # closes (a port scan) and an undecodable message (found in review).
+            import socket
+
+            import zmq
+
+            socket.create_connection(("127.0.0.1", rpc)).close()
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.connect(f"tcp://127.0.0.1:{rpc}")
+            push.send(b"\xc1garbage")
+            push.close(linger=1000)
+            time.sleep(4)  # longer than the silence allowed after a close
+            assert node0.popen.poll() is None
+            assert complete(prompts[1], {"X-data-parallel-rank": "1"}) == want[1]
             # Node 0 runs engine 0's scheduler and worker only.
             children = [p.cmdline() for p in node0.processes() if "launch.child" in p.cmdline()]
             engines = sorted(c[-1] for c in children if c[-3] in ("worker", "scheduler"))
@@ -199,6 +213,7 @@ def test_an_engine_node_dying_stops_the_server_with_errors(small_model: Path) ->
         (["--headless"], "--headless runs part of a server on another machine"),
         (["-dpl", "1", "-dpr", "1"], "give --data-parallel-start-rank only with --headless"),
         (["-dpl", "2", "-dpr", "1", "--headless"], "goes past --data-parallel-size 2"),
+        (["-tp", "2", "--nnodes", "2", "--master-port", "29500"], "use --data-parallel-size-local"),
     ],
 )
 def test_engine_node_flags_are_checked(small_model: Path, extra: list[str], message: str) -> None:

@@ -223,3 +223,36 @@ def test_clock_scales_intervals_and_wall_time() -> None:
         assert float(env[clock.SPEED_ENV]) == 0.1
     finally:
         clock.set_sim_speed(1.0)
+
+
+def test_sim_refuses_what_it_does_not_model() -> None:
+    from services.config import EngineConfig
+    from services.gpu_worker.distributed import ParallelState
+    from services.gpu_worker.sim.models import sim_model_folder
+    from services.gpu_worker.sim.worker import SimWorker
+    from services.model_loader import prepare_model
+
+    with pytest.raises(ConfigError, match="run it on one machine"):
+        EngineConfig.from_kwargs(worker_backend="sim", tensor_parallel_size=2, nnodes=2,
+                                 master_port=29500)  # fmt: skip
+    with pytest.raises(ConfigError, match="engine nodes only at --sim-speed 1"):
+        EngineConfig.from_kwargs(worker_backend="sim", sim_speed=0.5, data_parallel_size=2,
+                                 data_parallel_size_local=1)  # fmt: skip
+    config = EngineConfig.from_kwargs(worker_backend="sim", sim_model=MODEL)
+    config.cache.kv_cache_dtype = "fp8"
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8 is not supported"):
+        SimWorker(config, sim_model_folder(MODEL, prepare_model(None)), ParallelState())
+
+
+def test_kv_block_residency_is_timed_in_simulated_seconds() -> None:
+    from services import clock
+    from services.scheduler.kv_cache_metrics import KVCacheMetrics
+
+    try:
+        clock.set_sim_speed(0.01)
+        metrics = KVCacheMetrics(1.0)
+        start = metrics._clock()
+        time.sleep(0.02)
+        assert metrics._clock() - start >= 1.0  # 20 ms real = 2 s simulated
+    finally:
+        clock.set_sim_speed(1.0)

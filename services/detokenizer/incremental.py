@@ -77,6 +77,10 @@ class IncrementalDetokenizer:
     def output_token_ids(self) -> list[int]:
         return self._ids[self._num_context :]
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._ids) - self._num_context  # without copying the list, once per token
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
@@ -104,7 +108,7 @@ class IncrementalDetokenizer:
         for token_id in new_ids:
             self._ids.append(token_id)
             self.output_text += self._decode_pending(final=False)
-            if len(self.output_token_ids) <= self._min_tokens:
+            if self.num_output_tokens <= self._min_tokens:
                 check_from = len(self.output_text)
         if self._stop and self._check_stop(check_from):
             return self._take(final=True)
@@ -116,7 +120,7 @@ class IncrementalDetokenizer:
             return ""
         check_from = len(self.output_text)
         self.output_text += self._decode_pending(final=True)
-        if self._stop and len(self.output_token_ids) > self._min_tokens:
+        if self._stop and self.num_output_tokens > self._min_tokens:
             self._check_stop(check_from)
         return self._take(final=True)
 

@@ -42,6 +42,8 @@ from services.scheduler.request import Request, RequestEventType
 from services.scheduler.stats import SchedulerStats
 
 GAUGE_INTERVAL_S = 0.1  # gauges need not move faster than anyone scrapes them
+# Finished ids remembered, so that a step recorded late does not wait for their first token.
+_RECENTLY_FINISHED_KEPT = 4096
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -144,6 +146,7 @@ class EngineMetrics:
         tok_buckets = build_1_2_5_buckets(max_len)
         self.wall_minus_monotonic = clock.wall() - clock.monotonic()
         self._last_prefix = (0, 0)
+        self._recently_finished: dict[str, None] = {}  # ordered set, the newest last
         self._last_preemptions = 0
         # req_id -> (prompt tokens, cached) until its first token: vLLM counts prompt tokens then.
         self._prefilling: dict[str, tuple[int, int]] = {}
@@ -266,10 +269,12 @@ class EngineMetrics:
 
         Prompt tokens count when a request's first token comes out (vLLM's rule),
         so a prefill split over several steps or redone after a preemption counts once.
+        A step is recorded after the next plan went out, so a request it admitted may have
+        finished, and been recorded finished, already: it is not waited for.
         """
-        prefilling = self._prefilling
+        prefilling, finished = self._prefilling, self._recently_finished
         for new in plan.new_requests:
-            if len(new.token_ids) == new.num_prompt_tokens:  # not a resumed decode
+            if len(new.token_ids) == new.num_prompt_tokens and new.req_id not in finished:
                 prefilling.setdefault(new.req_id, (new.num_prompt_tokens, new.num_computed_tokens))
         num_generation = sum([len(out.new_token_ids) for out in outputs])
         num_prompt = num_cached = 0
@@ -293,6 +298,9 @@ class EngineMetrics:
         """Request-level series for requests that finished (any reason)."""
         for r in requests:
             self._prefilling.pop(r.req_id, None)
+            self._recently_finished[r.req_id] = None
+            if len(self._recently_finished) > _RECENTLY_FINISHED_KEPT:
+                del self._recently_finished[next(iter(self._recently_finished))]
             reason = r.finish_reason or "abort"
             self.request_success[reason].inc()
             timeline = request_timeline(r, self.wall_minus_monotonic)

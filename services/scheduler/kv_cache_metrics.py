@@ -14,9 +14,10 @@ idle-before-evict.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from services import clock as engine_clock
 
 
 @dataclass
@@ -34,7 +35,7 @@ class KVCacheMetrics:
     def __init__(
         self,
         sample_rate: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = engine_clock.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.sample_rate = sample_rate

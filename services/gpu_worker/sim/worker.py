@@ -161,6 +161,10 @@ class SimWorker(WorkerBackend):
             config.parallel.tensor_parallel_size,
             [end - start for start, end in stages],
         )
+        if config.cache.kv_cache_dtype != "auto":
+            raise ConfigError(
+                f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not supported; use auto"
+            )
         self.speed = w.sim_speed
         self.lengths = OutputLengths(w.sim_eos) if w.sim_eos else None
         self.high = min(self.arch.vocab_size, 32_000)  # inside any tokenizer the model may use
