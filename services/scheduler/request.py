@@ -189,8 +189,15 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
         if last in params.stop_token_ids:
             request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-    if request.num_tokens >= max_model_len or (
-        params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-    ):
+    if reaches_length(request, max_model_len):
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
+
+
+def reaches_length(request: Request, max_model_len: int, more: int = 0) -> bool:
+    """With ``more`` tokens beyond its known ones, the request is at ``max_model_len`` or
+    ``max_tokens`` (async scheduling asks with the tokens its plans in flight sample)."""
+    max_tokens = request.sampling_params.max_tokens
+    return request.num_tokens + more >= max_model_len or (
+        max_tokens is not None and request.num_output_tokens + more >= max_tokens
+    )

@@ -27,6 +27,7 @@ from services.scheduler.request import (
     RequestEventType,
     RequestStatus,
     check_stop,
+    reaches_length,
 )
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.stats import SchedulerStats
@@ -186,8 +187,10 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Running requests: decodes first, then unfinished prefill chunks.
-        decodes = [r for r in self.running if _num_to_compute(r) <= 1]
-        prefills = [r for r in self.running if _num_to_compute(r) > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if _num_to_compute(r) <= 1 else prefills).append(r)
         micro_batch = -(-len(self.running) // self.pipeline_depth)  # requests per plan
         for request in itertools.chain(decodes, prefills):
             if token_budget == 0 or len(scheduled_running) >= micro_batch:
@@ -197,8 +200,9 @@ class Scheduler:
             num_new = _num_to_compute(request)
             if num_new == 0:
                 continue  # its sampled token has not come back yet
-            if request.num_output_placeholders and self._ends_in_flight(request):
-                continue  # a step for it would compute a token past its end
+            pending = request.num_output_placeholders
+            if pending and reaches_length(request, self.max_model_len, pending):
+                continue  # the tokens its plans in flight sample end it: no step past that
             if 0 < threshold < num_new:
                 num_new = threshold
             num_new = min(num_new, token_budget)
@@ -290,14 +294,6 @@ class Scheduler:
             self._sampling_by_step[plan.step_id] = sampling
         self._last_step_num_tokens = plan.total_num_scheduled_tokens
         return plan
-
-    def _ends_in_flight(self, request: Request) -> bool:
-        """The tokens its plans in flight sample end it by length (async scheduling)."""
-        pending = request.num_output_placeholders
-        max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens + pending >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens + pending >= max_tokens
-        )
 
     def _preempt_one(self) -> Request:
         """Preempt the newest (priority policy: lowest priority, then latest) running request."""
