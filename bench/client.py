@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +20,7 @@ import httpx
 
 from bench.datasets import SampleRequest
 from bench.serve import CHAT
+from services import clock
 
 
 @dataclass
@@ -98,7 +98,7 @@ async def send_request(
     chat = s.endpoint == CHAT
     out = RequestOutput(prompt_len=req.prompt_len or 0)
     body = build_payload(req, s)
-    st = time.perf_counter()
+    st = clock.perf_counter()
     out.start_time = st - t0
     last_content = last_chunk = st
     usage: dict[str, Any] | None = None
@@ -117,7 +117,7 @@ async def send_request(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                now = time.perf_counter()
+                now = clock.perf_counter()
                 chunk = json.loads(data)
                 if "error" in chunk:
                     out.error = str(chunk["error"])[:300]
@@ -173,11 +173,12 @@ async def run_requests(
     ``max_concurrency`` in flight. Returns the outputs in request order and the duration."""
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     done = [asyncio.Event() for _ in requests]
-    t0 = time.perf_counter()
+    t0 = clock.perf_counter()
 
     async def one(i: int) -> RequestOutput:
         try:
-            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            wait = max(0.0, t0 + arrivals[i] - clock.perf_counter())
+            await asyncio.sleep(clock.real_seconds(wait))
             parent = requests[i].parent
             if parent is not None:
                 await done[parent].wait()
@@ -193,7 +194,7 @@ async def run_requests(
         return out
 
     outputs = await asyncio.gather(*(one(i) for i in range(len(requests))))
-    return list(outputs), time.perf_counter() - t0
+    return list(outputs), clock.perf_counter() - t0
 
 
 async def fetch_models(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> list[str]:

@@ -83,7 +83,8 @@ def plot_result(result: dict[str, Any], stem: Path) -> list[Path]:
 
     timeline = result.get("server_timeline") or []
     if timeline:
-        t, running, waiting = (np.asarray(c, dtype=np.float64) for c in zip(*timeline, strict=True))
+        columns = list(zip(*timeline, strict=True))[:3]  # time, running, waiting (then KV usage)
+        t, running, waiting = (np.asarray(c, dtype=np.float64) for c in columns)
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.step(t, running, where="post", label="vllm:num_requests_running")
         ax.step(t, waiting, where="post", label="vllm:num_requests_waiting")

@@ -18,11 +18,11 @@ import asyncio
 import contextlib
 import json
 import math
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from services import clock
 from services.config import ConfigError
 
 # bench.client's endpoints, repeated so that building the CLI parser imports neither httpx
@@ -93,6 +93,13 @@ def add_cli_args(p: argparse.ArgumentParser, with_server: bool = True) -> None:
     t.add_argument("--max-concurrency", type=int, default=None)
     t.add_argument("--num-warmups", type=int, default=0)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--sim-speed",
+        type=float,
+        default=1.0,
+        help="the server's --sim-speed (simulated backend): the request rate, arrivals and "
+        "every reported time are then in simulated seconds, as the server's own metrics are",
+    )
     t.add_argument("--ignore-eos", action="store_true")
     t.add_argument("--temperature", type=float, default=0.0)
     t.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
@@ -195,7 +202,7 @@ class MetricsScraper:
 
     def __init__(self, client: Any, url: str, interval: float = 0.5) -> None:
         self.client, self.url, self.interval = client, url + "/metrics", interval
-        self.timeline: list[tuple[float, float, float]] = []
+        self.timeline: list[tuple[float, float, float, float]] = []
 
     async def read(self) -> dict[str, float]:
         """Sample name -> value (summed over labels); raises on an HTTP or parse error."""
@@ -216,7 +223,7 @@ class MetricsScraper:
 
     async def sample(self, t0: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            t = time.perf_counter() - t0
+            t = clock.perf_counter() - t0
             try:
                 m = await self.read()
                 self.timeline.append(
@@ -224,6 +231,7 @@ class MetricsScraper:
                         t,
                         m.get("vllm:num_requests_running", 0.0),
                         m.get("vllm:num_requests_waiting", 0.0),
+                        m.get("vllm:kv_cache_usage_perc", 0.0),
                     )
                 )
             except Exception:  # a missed sample must not end the benchmark
@@ -249,6 +257,9 @@ async def benchmark(
     from bench.metrics import parse_goodput, parse_percentiles, server_deltas
 
     parse_percentiles(args.metric_percentiles)  # bad flags fail before the run, not after
+    if args.sim_speed <= 0:
+        raise ConfigError(f"--sim-speed must be > 0, got {args.sim_speed}")
+    clock.set_sim_speed(args.sim_speed)
     parse_goodput(args.goodput)
     endpoint = resolve_endpoint(args)
     check_prompts(requests, endpoint)
@@ -282,7 +293,7 @@ async def benchmark(
         bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc=label)
         stop = asyncio.Event()
         sampler = (
-            asyncio.create_task(scraper.sample(time.perf_counter(), stop)) if scraper else None
+            asyncio.create_task(scraper.sample(clock.perf_counter(), stop)) if scraper else None
         )
         outputs, duration = await run_requests(
             client, requests, settings, arrivals, args.max_concurrency, lambda _o: bar.update(1)
@@ -324,6 +335,7 @@ def _result(
         "num_prompts": len(outputs),
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness,
+        "sim_speed": args.sim_speed,
         "max_concurrency": args.max_concurrency,
     }
     percentiles = parse_percentiles(args.metric_percentiles)

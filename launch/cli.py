@@ -189,12 +189,98 @@ def _run_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    from services.router.policies import POLICIES
+
+    p = sub.add_parser(
+        "router",
+        help="route requests over several servers (cache-aware)",
+        description="An OpenAI-compatible router in front of several servers (ours or vLLM's).",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a replica's base URL (repeat for each; more can be added at run time)",
+    )
+    p.add_argument("--policy", default="cost", choices=sorted(POLICIES), help="default: cost")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--api-key", default=None, help="enables /admin/backends, guarded by 'Bearer KEY'"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenize prompts here with this model's tokenizer (folder or GGUF; 'default' for "
+        "the default model) instead of the replicas' /tokenize",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="default: the replicas' (from /metrics)"
+    )
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        default=None,
+        choices=["sha256", "sha256_cbor", "builtin"],
+        help="default: the replicas'",
+    )
+    p.add_argument(
+        "--session-header",
+        default="x-session-id",
+        help="the header whose value sticks a session to a replica (policy session; else "
+        "the body's 'user')",
+    )
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
+    p.add_argument(
+        "--load-interval-ms", type=float, default=100.0, help="how often the cost policy reads load"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seeds the random choices")
+    p.add_argument("--uvicorn-log-level", default="warning")
+    p.set_defaults(func=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from services.router.app import RouterConfig, run_router
+
+    if not args.backend and args.api_key is None:
+        raise ConfigError("give at least one --backend (or --api-key, to add them at run time)")
+    if args.block_size is not None and (
+        args.block_size < 1 or args.block_size & (args.block_size - 1)
+    ):
+        raise ConfigError(f"--block-size must be a power of two, got {args.block_size}")
+    if args.health_check_interval <= 0 or args.load_interval_ms <= 0:
+        raise ConfigError("--health-check-interval and --load-interval-ms must be positive")
+    tokenizer = args.tokenizer
+    if tokenizer is not None:
+        from services.model_loader import prepare_model
+
+        tokenizer = str(prepare_model(None if tokenizer == "default" else tokenizer))
+    config = RouterConfig(
+        backends=args.backend,
+        policy=args.policy,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        tokenizer=tokenizer,
+        block_size=args.block_size,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        session_header=args.session_header.lower(),
+        health_check_interval=args.health_check_interval,
+        load_interval_ms=args.load_interval_ms,
+        log_level=args.uvicorn_log_level,
+        seed=args.seed,
+    )
+    return run_router(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actorserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_router(sub)
     return parser
 
 

@@ -404,6 +404,28 @@ def test_chat_endpoint_waits_for_previous_turn(tmp_path: Path, fake_server: str)
             assert r["start_times"][i] >= r["start_times"][req.parent] + r["e2els"][req.parent]
 
 
+def test_sim_speed_reports_simulated_seconds(tmp_path: Path, fake_server: str) -> None:
+    """Against a server at --sim-speed S, every time is real / S and arrivals are S times
+    denser in real time: here S = 0.25, so the fake server's real 50 ms is 200 ms."""
+    from bench.serve import benchmark
+    from services import clock
+
+    reqs = [ds.SampleRequest("hi there", 2, 4) for _ in range(4)]
+    args = _bench_args(tmp_path, fake_server, "--no-plots", "--sim-speed", "0.25",
+                       "--request-rate", "2", "--seed", "3")  # fmt: skip
+    try:
+        real = clock.time.perf_counter()
+        r = asyncio.run(benchmark(args, reqs, fake_server))
+        real = clock.time.perf_counter() - real
+    finally:
+        clock.set_sim_speed(1.0)
+    assert r["completed"] == 4 and r["sim_speed"] == 0.25
+    assert min(r["ttfts"]) >= 4 * FIRST_DELAY
+    assert r["duration"] > 2.5 * real  # measured in simulated seconds
+    arrivals = ds.arrival_times(4, 2.0, 1.0, 3)
+    assert max(r["start_times"]) >= arrivals[-1] - 1e-6  # sent on the simulated schedule
+
+
 def test_compare_ratio_table() -> None:
     from bench.compare import parse_servers, ratio_table
 

@@ -1,0 +1,433 @@
+"""``actorserve router``: an OpenAI-compatible front for several replicas (ours or vLLM's).
+
+Routes ``POST /v1/completions`` and ``/v1/chat/completions`` by ``--policy``
+(``services/router/policies.py``), streams the replica's answer through unchanged, and
+passes every other path (``/v1/models``, ``/tokenize``, ``/version``, ...) to the least busy
+healthy replica. A request moves to another replica only before its first byte reached the
+client: a refused connection, a 5xx answer or a connection lost before the first byte. After
+that, a replica that dies ends a stream with an OpenAI error event and ``[DONE]``, never a hang.
+
+Its own routes: ``/health`` (200 while a replica is healthy), ``/metrics`` (the router's,
+``services/router/metrics.py``), and with ``--api-key`` the admin endpoint
+``/admin/backends`` (``GET`` lists the replicas with what the router knows of them,
+``POST {"url": ...}`` adds one, ``DELETE {"url": ...}`` removes one; ``Authorization:
+Bearer KEY``). Clients' ``Authorization`` headers pass through to the replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from services.router.metrics import RouterMetrics
+from services.router.policies import POLICIES, Decision, Policy, RouteRequest
+from services.router.prefix_index import ApproxPrefixIndex
+from services.router.prompts import PromptTokenizer
+from services.router.replicas import CacheGeometry, Replica, ReplicaSet, normalize_url
+from services.scheduler.block_hash import BlockHasher
+
+log = logging.getLogger("actorserve.router")
+
+_HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                "te", "upgrade", "accept-encoding", "proxy-authorization", "trailer"}  # fmt: skip
+_RESPONSE_DROP = {"content-length", "connection", "transfer-encoding", "content-encoding",
+                  "keep-alive", "date", "server"}  # fmt: skip
+_GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+
+
+@dataclass
+class RouterConfig:
+    backends: list[str]
+    policy: str = "cost"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    tokenizer: str | None = None  # local tokenization; None: the replicas' /tokenize
+    block_size: int | None = None  # None: the replicas' (vllm:cache_config_info)
+    prefix_caching_hash_algo: str | None = None
+    session_header: str = "x-session-id"
+    health_check_interval: float = 2.0
+    load_interval_ms: float = 100.0
+    max_body_bytes: int = 64 << 20
+    log_level: str = "warning"
+    seed: int | None = None
+
+
+def error_response(status: int, message: str, error_type: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class _Upstream(Exception):
+    """The replica failed before the first byte: try another."""
+
+
+@dataclass
+class Router:
+    config: RouterConfig
+    client: httpx.AsyncClient
+    replicas: ReplicaSet = field(init=False)
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    index: ApproxPrefixIndex = field(default_factory=ApproxPrefixIndex)
+    geometry: CacheGeometry | None = None
+    hasher: BlockHasher | None = None
+
+    def __post_init__(self) -> None:
+        import random
+
+        policy_cls = POLICIES[self.config.policy]
+        self.policy: Policy = policy_cls(self.index, random.Random(self.config.seed))
+        c = self.config
+        if c.block_size is not None:
+            self._adopt(CacheGeometry(c.block_size, c.prefix_caching_hash_algo or "sha256"))
+        wants_load = self.config.policy == "cost"
+        self.replicas = ReplicaSet(
+            self.client,
+            c.health_check_interval,
+            c.load_interval_ms / 1000 if wants_load else None,
+            on_metrics=self._on_metrics,
+            on_geometry=self._on_geometry,
+            on_change=self._on_change,
+        )
+        self.tokenizer = PromptTokenizer(self.client, c.tokenizer)
+
+    def _adopt(self, geometry: CacheGeometry) -> None:
+        self.geometry = geometry
+        self.hasher = BlockHasher(geometry.block_size, geometry.hash_algo)
+
+    def _on_geometry(self, replica: Replica) -> bool:
+        g = replica.geometry
+        assert g is not None
+        if self.geometry is None:
+            self._adopt(g)
+        elif not self.geometry.same_hashes(g):
+            log.error(
+                "replica %s hashes blocks of %d tokens with %s, the router %d with %s: kept out",
+                replica.url, g.block_size, g.hash_algo, self.geometry.block_size,
+                self.geometry.hash_algo,
+            )  # fmt: skip
+            return False
+        self.index.set_capacity(replica.url, g.num_blocks)
+        return True
+
+    def _on_change(self, replica: Replica) -> None:
+        self.metrics.healthy.labels(replica.url).set(1 if replica.healthy else 0)
+        if not replica.healthy:  # a restarted replica comes back empty
+            self.index.forget(replica.url)
+
+    def _on_metrics(self, replica: Replica, deltas: dict[str, float]) -> None:
+        if deltas.get("cache_hits"):
+            self.metrics.measured_cached.labels(replica.url).inc(deltas["cache_hits"])
+        if deltas.get("cache_queries"):
+            self.metrics.measured_queries.labels(replica.url).inc(deltas["cache_queries"])
+
+    # ---- routing
+
+    async def route_facts(self, chat: bool, body: dict[str, Any], headers: Any) -> RouteRequest:
+        session = headers.get(self.config.session_header) or body.get("user")
+        req = RouteRequest(session=str(session) if session is not None else None,
+                           stream=bool(body.get("stream")))  # fmt: skip
+        if self.policy.needs_prompt and self.hasher is not None:
+            healthy = self.replicas.healthy()
+            via = min(healthy, key=lambda r: r.in_flight).url if healthy else None
+            tokens = await self.tokenizer.token_ids(chat, body, via)
+            if tokens:
+                salt = body.get("cache_salt")
+                req.prompt_tokens = len(tokens)
+                req.block_size = self.hasher.block_size
+                req.hashes = self.hasher.hash_blocks(
+                    tokens, salt if isinstance(salt, str) else None
+                )
+        return req
+
+    def _sent(self, req: RouteRequest, d: Decision) -> int:
+        """Book a request on its replica; returns its uncached prompt tokens."""
+        r = d.replica
+        uncached = max(req.prompt_tokens - d.cached_blocks * req.block_size, 0)
+        r.in_flight += 1
+        if req.stream:
+            r.pending += 1
+            r.pending_tokens += uncached
+        else:
+            r.unseen += 1
+            r.unseen_tokens += uncached
+        if req.hashes:
+            self.index.record(r.url, req.hashes)
+        url = r.url
+        self.metrics.decisions.labels(self.policy.name, url).inc()
+        if req.prompt_tokens:
+            self.metrics.prompt_tokens.labels(url).inc(req.prompt_tokens)
+            self.metrics.predicted_cached.labels(url).inc(d.cached_blocks * req.block_size)
+        if d.predicted_ttft_s is not None:
+            self.metrics.predicted_ttft.labels(url).observe(d.predicted_ttft_s)
+        return uncached
+
+    @staticmethod
+    def _first_byte(req: RouteRequest, r: Replica, uncached: int) -> None:
+        if req.stream:
+            r.pending -= 1
+            r.pending_tokens -= uncached
+
+    async def generate(self, request: Request, path: str) -> Response:
+        arrived = time.perf_counter()
+        raw = await request.body()
+        if len(raw) > self.config.max_body_bytes:
+            return error_response(413, "Request body too large.", "RequestEntityTooLargeError")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            body = {}  # the replica answers the malformed body with its own error
+        req = await self.route_facts(_GENERATE_PATHS[path], body, request.headers)
+        headers = _forward_headers(request)
+        tried: set[str] = set()
+        while True:
+            candidates = [r for r in self.replicas.healthy() if r.url not in tried]
+            if not candidates:
+                reason = "all_failed" if tried else "no_replica"
+                self.metrics.errors.labels(reason).inc()
+                message = ("every replica failed this request" if tried
+                           else "no healthy replica to serve the request")  # fmt: skip
+                return error_response(503, message, "ServiceUnavailableError")
+            decision = self.policy.choose(req, candidates)
+            replica = decision.replica
+            uncached = self._sent(req, decision)
+            try:
+                return await self._open(
+                    request, path, raw, headers, req, replica, uncached, arrived
+                )
+            except _Upstream as e:
+                tried.add(replica.url)
+                self._first_byte(req, replica, uncached)
+                replica.in_flight -= 1
+                self.metrics.retries.labels(replica.url).inc()
+                log.warning("request moved off %s before its first byte: %s", replica.url, e)
+
+    async def _open(self, request: Request, path: str, raw: bytes, headers: dict[str, str],
+                    req: RouteRequest, replica: Replica, uncached: int, arrived: float) -> Response:  # fmt: skip
+        """Send to ``replica`` and wait for its first byte; then commit to it."""
+        upstream = self.client.build_request(
+            "POST", replica.url + path, content=raw, headers=headers
+        )
+        try:
+            resp = await self.client.send(upstream, stream=True)
+        except httpx.TransportError as e:
+            self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
+            raise _Upstream(str(e) or type(e).__name__) from None
+        chunks = resp.aiter_raw()
+        try:
+            if resp.status_code >= 500:
+                detail = (await resp.aread())[:200].decode(errors="replace")
+                raise _Upstream(f"HTTP {resp.status_code}: {detail}")
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+        except httpx.TransportError as e:
+            await resp.aclose()
+            self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
+            raise _Upstream(str(e) or type(e).__name__) from None
+        except _Upstream:
+            await resp.aclose()
+            raise
+        self._first_byte(req, replica, uncached)
+        self.metrics.ttfb.labels(replica.url).observe(time.perf_counter() - arrived)
+        done = False
+
+        async def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                replica.in_flight -= 1
+                await resp.aclose()
+
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if first:
+                    yield first
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.TransportError as e:
+                self.metrics.errors.labels("stream_broken").inc()
+                log.warning("replica %s broke a response: %s", replica.url, e)
+                self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
+                if sse:
+                    yield _sse_error(f"the replica serving this request failed: {type(e).__name__}")
+            finally:
+                await finish()
+
+        return StreamingResponse(
+            body(),
+            status_code=resp.status_code,
+            headers={k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP},
+            background=BackgroundTask(finish),
+        )
+
+    async def passthrough(self, request: Request, path: str) -> Response:
+        """Any other route: the least busy healthy replica, another one on failure."""
+        raw = await request.body()
+        headers = _forward_headers(request)
+        tried: set[str] = set()
+        while True:
+            candidates = [r for r in self.replicas.healthy() if r.url not in tried]
+            if not candidates:
+                return error_response(503, "no healthy replica to serve the request",
+                                      "ServiceUnavailableError")  # fmt: skip
+            replica = self.policy.least_busy(candidates)
+            try:
+                resp = await self.client.request(
+                    request.method, replica.url + path, content=raw, headers=headers,
+                    params=request.query_params,
+                )  # fmt: skip
+            except httpx.TransportError as e:
+                self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
+                tried.add(replica.url)
+                continue
+            keep = {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
+            return Response(resp.content, status_code=resp.status_code, headers=keep)
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for r in self.replicas.replicas.values():
+            g = r.geometry
+            out.append({
+                "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
+                "running": r.running, "waiting": r.waiting, "kv_cache_usage": r.kv_usage,
+                "prefill_seconds_per_token": r.prefill_s_per_token,
+                "index_blocks": self.index.size(r.url),
+                "block_size": g.block_size if g else None,
+                "hash_algo": g.hash_algo if g else None, "num_blocks": g.num_blocks if g else None,
+            })  # fmt: skip
+        return out
+
+    def refresh_gauges(self) -> None:
+        for r in self.replicas.replicas.values():
+            self.metrics.index_blocks.labels(r.url).set(self.index.size(r.url))
+            self.metrics.in_flight.labels(r.url).set(r.in_flight)
+            self.metrics.healthy.labels(r.url).set(1 if r.healthy else 0)
+            if r.prefill_s_per_token is not None:
+                self.metrics.prefill_s_per_token.labels(r.url).set(r.prefill_s_per_token)
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    if config.policy not in POLICIES:
+        raise ValueError(f"unknown policy {config.policy!r}")
+    state: dict[str, Router] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(None, connect=5.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            router = state["router"] = Router(config, client)
+            for url in config.backends:
+                await router.replicas.add(url)
+            yield
+            await router.replicas.close()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def admin_denied(request: Request) -> Response | None:
+        if config.api_key is None:
+            return error_response(403, "start the router with --api-key to use /admin",
+                                  "PermissionDeniedError")  # fmt: skip
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
+            return error_response(401, "Unauthorized", "AuthenticationError")
+        return None
+
+    async def admin_target(request: Request) -> str | Response:
+        """The replica URL an admin request names, or the response refusing it."""
+        if (denied := admin_denied(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+            return normalize_url(str(body["url"]))
+        except (ValueError, KeyError, TypeError):
+            return error_response(
+                400, 'the body must be {"url": "http://host:port"}', "BadRequestError"
+            )
+
+    @app.get("/health")
+    async def health() -> Response:
+        n = len(state["router"].replicas.healthy())
+        if n == 0:
+            return error_response(503, "no healthy replica", "ServiceUnavailableError")
+        return JSONResponse({"status": "ok", "healthy_replicas": n})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router = state["router"]
+        router.refresh_gauges()
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/backends")
+    async def list_backends(request: Request) -> Response:
+        return admin_denied(request) or JSONResponse({"backends": state["router"].describe()})
+
+    @app.post("/admin/backends")
+    async def add_backend(request: Request) -> Response:
+        url = await admin_target(request)
+        if isinstance(url, Response):
+            return url
+        replica = await state["router"].replicas.add(url)
+        return JSONResponse({"url": replica.url, "healthy": replica.healthy})
+
+    @app.delete("/admin/backends")
+    async def remove_backend(request: Request) -> Response:
+        url = await admin_target(request)
+        if isinstance(url, Response):
+            return url
+        router = state["router"]
+        if await router.replicas.remove(url) is None:
+            return error_response(404, f"no backend {url}", "NotFoundError")
+        router.index.forget(url)
+        router.metrics.remove_replica(url)
+        return JSONResponse({"url": url, "removed": True})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state["router"].generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await state["router"].generate(request, "/v1/chat/completions")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def other(request: Request, path: str) -> Response:
+        return await state["router"].passthrough(request, "/" + path)
+
+    return app
+
+
+def run_router(config: RouterConfig) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = build_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level)
+    return 0

@@ -1,0 +1,258 @@
+"""The replicas behind the router: health, load and cache geometry, as the router sees them.
+
+A replica is an OpenAI-compatible server (ours or vLLM's) named by its base URL. The
+router learns about it three ways:
+
+- ``GET /health`` every ``--health-check-interval`` seconds, then ``/metrics``: a replica
+  that fails it (or refuses a connection while forwarding) leaves the rotation; one that
+  answers 200 again comes back.
+- ``GET /metrics`` every ``--load-interval-ms`` (the ``cost`` policy's load, at most that
+  old): ``vllm:num_requests_running``/``_waiting``, ``vllm:kv_cache_usage_perc``, the
+  prefill time and computed-token sums that give its measured prefill time per token, and
+  the prefix cache counters that show the hits it really had. ``vllm:cache_config_info``
+  gives its block size, hash algorithm and block count, read once.
+- Its own bookkeeping: requests in flight here, and those not yet past their first byte
+  with their uncached prompt tokens (the router's freshest view of the replica's queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("actorserve.router")
+
+# The /metrics samples the router reads, summed over label sets (engines of one replica).
+_LOAD_SAMPLES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens",
+    "vllm:prefix_cache_hits_total": "cache_hits",
+    "vllm:prefix_cache_queries_total": "cache_queries",
+}
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """The load samples of a Prometheus text page (a line scan: pages are tens of KiB and
+    read ten times a second, too often for a full parser)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = line.find("{")
+        space = line.rfind(" ")
+        name = line[: name_end if 0 < name_end < space else space]
+        key = _LOAD_SAMPLES.get(name)
+        if key is None:
+            continue
+        with contextlib.suppress(ValueError):
+            out[key] = out.get(key, 0.0) + float(line[space + 1 :])
+    return out
+
+
+def parse_cache_config(text: str) -> dict[str, str] | None:
+    """The labels of ``vllm:cache_config_info`` (block_size, the hash algorithm, ...)."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return dict(_LABEL.findall(line[: line.rfind("}") + 1]))
+    return None
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What a replica's block hashes depend on: two replicas must agree to share an index."""
+
+    block_size: int
+    hash_algo: str
+    num_blocks: int = 0
+
+    @classmethod
+    def from_labels(cls, labels: dict[str, str]) -> CacheGeometry:
+        return cls(
+            block_size=int(labels.get("block_size") or 16),
+            hash_algo=labels.get("prefix_caching_hash_algo") or "sha256",
+            num_blocks=int(labels.get("num_gpu_blocks") or 0),
+        )
+
+    def same_hashes(self, other: CacheGeometry) -> bool:
+        return (self.block_size, self.hash_algo) == (other.block_size, other.hash_algo)
+
+
+@dataclass
+class Replica:
+    """One backend server and everything the router knows of it."""
+
+    url: str
+    healthy: bool = False
+    geometry: CacheGeometry | None = None
+    # The router's own counts: requests open here, and those still before their first byte.
+    in_flight: int = 0
+    pending: int = 0  # streaming requests before their first byte
+    pending_tokens: int = 0  # and their uncached prompt tokens
+    unseen: int = 0  # non-streaming requests sent since the last load reading
+    unseen_tokens: int = 0  # (after it, the replica's waiting count includes them)
+    # The replica's reported load (``/metrics``) and when it was read (monotonic seconds).
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    load_at: float = 0.0
+    # Measured prefill seconds per computed token (None until it computed a prompt).
+    prefill_s_per_token: float | None = None
+    _sums: dict[str, float] = field(default_factory=dict)
+    failures: int = 0
+    admitted: bool = True  # False: its block hashes differ from the router's, kept out
+
+    def update_load(self, sample: dict[str, float], now: float) -> dict[str, float]:
+        """Take a ``/metrics`` reading; returns the counters' increments since the last one."""
+        self.running = sample.get("running", 0.0)
+        self.waiting = sample.get("waiting", 0.0)
+        self.kv_usage = sample.get("kv_usage", 0.0)
+        self.load_at = now
+        self.unseen = self.unseen_tokens = 0
+        deltas: dict[str, float] = {}
+        for key in ("prefill_seconds", "prefill_tokens", "cache_hits", "cache_queries"):
+            if key in sample:
+                before = self._sums.get(key)
+                # A counter going back is a restarted replica: count from its new zero.
+                deltas[key] = (
+                    sample[key] - before if before is not None and sample[key] >= before else 0.0
+                )
+                self._sums[key] = sample[key]
+        tokens, seconds = deltas.get("prefill_tokens", 0.0), deltas.get("prefill_seconds", 0.0)
+        if tokens >= 16 and seconds > 0:
+            measured = seconds / tokens
+            prev = self.prefill_s_per_token
+            # An exponential average over readings: one odd batch does not swing routing.
+            self.prefill_s_per_token = measured if prev is None else 0.7 * prev + 0.3 * measured
+        return deltas
+
+
+class ReplicaSet:
+    """The replicas, their health loop and their load loop.
+
+    ``on_metrics(replica, deltas)`` is called after each ``/metrics`` reading (the router's
+    metrics count measured cache hits from it); ``on_geometry(replica)`` when a replica's
+    cache geometry is first read, and returns whether the replica may serve (a replica
+    whose block hashes differ from the router's is kept out); ``on_change(replica)`` when
+    it enters or leaves the rotation.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        health_interval_s: float,
+        load_interval_s: float | None,
+        on_metrics: Callable[[Replica, dict[str, float]], None] | None = None,
+        on_geometry: Callable[[Replica], bool] | None = None,
+        on_change: Callable[[Replica], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.health_interval_s = health_interval_s
+        self.load_interval_s = load_interval_s
+        self.replicas: dict[str, Replica] = {}
+        self._on_metrics = on_metrics
+        self._on_geometry = on_geometry
+        self._on_change = on_change
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    async def add(self, url: str) -> Replica:
+        """Start watching ``url`` (its first health check runs before this returns)."""
+        url = normalize_url(url)
+        if url in self.replicas:
+            return self.replicas[url]
+        replica = self.replicas[url] = Replica(url)
+        await self.check_health(replica)
+        tasks = [asyncio.create_task(self._health_loop(replica))]
+        if self.load_interval_s is not None:
+            tasks.append(asyncio.create_task(self._load_loop(replica)))
+        self._tasks[url] = tasks
+        return replica
+
+    async def remove(self, url: str) -> Replica | None:
+        url = normalize_url(url)
+        replica = self.replicas.pop(url, None)
+        for task in self._tasks.pop(url, []):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return replica
+
+    async def close(self) -> None:
+        for url in list(self.replicas):
+            await self.remove(url)
+
+    def mark_failed(self, replica: Replica, reason: str) -> None:
+        """A forwarded request could not reach the replica: out until its health check passes."""
+        replica.failures += 1
+        if replica.healthy:
+            log.warning("replica %s out of rotation: %s", replica.url, reason)
+            self._set_health(replica, False)
+
+    def _set_health(self, replica: Replica, ok: bool) -> None:
+        changed = ok != replica.healthy
+        replica.healthy = ok
+        if changed and self._on_change is not None:
+            self._on_change(replica)
+
+    async def check_health(self, replica: Replica) -> None:
+        try:
+            ok = (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
+            if ok:
+                new = replica.geometry is None
+                await self.read_metrics(replica)
+                if replica.geometry is None:  # a server without vllm:cache_config_info
+                    replica.geometry = CacheGeometry(16, "sha256")
+                if new and self._on_geometry is not None:
+                    replica.admitted = self._on_geometry(replica)
+                ok = replica.admitted
+        except (httpx.HTTPError, OSError):
+            ok = False
+        if ok != replica.healthy:
+            log.info("replica %s %s", replica.url, "healthy" if ok else "unhealthy")
+        self._set_health(replica, ok)
+
+    async def read_metrics(self, replica: Replica) -> None:
+        r = await self.client.get(f"{replica.url}/metrics", timeout=5.0)
+        r.raise_for_status()
+        text = r.text
+        if replica.geometry is None:
+            labels = parse_cache_config(text)
+            if labels is not None:
+                replica.geometry = CacheGeometry.from_labels(labels)
+        deltas = replica.update_load(parse_load(text), time.monotonic())
+        if self._on_metrics is not None:
+            self._on_metrics(replica, deltas)
+
+    async def _health_loop(self, replica: Replica) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_health(replica)
+
+    async def _load_loop(self, replica: Replica) -> None:
+        assert self.load_interval_s is not None
+        while True:
+            await asyncio.sleep(self.load_interval_s)
+            if replica.healthy:
+                with contextlib.suppress(httpx.HTTPError, OSError):
+                    await self.read_metrics(replica)
+
+
+def normalize_url(url: str) -> str:
+    """``http://host:port`` for any of ``host:port``, ``http://host:port/``, ``…/v1``."""
+    url = url.strip().rstrip("/").removesuffix("/v1")
+    if "://" not in url:
+        url = "http://" + url
+    return url

@@ -1,0 +1,367 @@
+"""The router (``actorserve router``): policies on scripted scenarios, the approximate prefix
+index, and the pass-through against scriptable replicas (tests/router_fakes.py): streaming
+with the official client, retries before the first byte, a dead replica skipped, a broken
+stream ending with an error event, the admin endpoint. The real-engine check (the router's
+block hashes are the engine's: predicted hits = measured hits) is in test_router_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from services.router.app import RouterConfig, build_app
+from services.router.policies import (
+    POLICIES,
+    CostPolicy,
+    PrefixApproxPolicy,
+    RouteRequest,
+    SessionPolicy,
+)
+from services.router.prefix_index import ApproxPrefixIndex
+from services.router.replicas import Replica, normalize_url, parse_cache_config, parse_load
+from tests.router_fakes import FakeReplica, ServerThread, word_ids
+
+# ---- policies on scripted replicas
+
+
+def _replicas(n: int) -> list[Replica]:
+    return [Replica(f"http://r{i}", healthy=True) for i in range(n)]
+
+
+def _req(n_blocks: int, bs: int = 16, tail: int = 1, first: int = 0, **kw: object) -> RouteRequest:
+    """A prompt of ``n_blocks`` full blocks (hashes first..first+n) plus ``tail`` tokens."""
+    hashes: list[int | bytes] = list(range(first, first + n_blocks))
+    return RouteRequest(hashes=hashes, prompt_tokens=n_blocks * bs + tail, block_size=bs, **kw)  # type: ignore[arg-type]
+
+
+def test_round_robin_and_random_cover_every_replica() -> None:
+    reps = _replicas(3)
+    rr = POLICIES["round_robin"](ApproxPrefixIndex())
+    assert [rr.choose(RouteRequest(), reps).replica.url for _ in range(6)] == [
+        r.url for r in reps
+    ] * 2
+    rnd = POLICIES["random"](ApproxPrefixIndex(), random.Random(0))
+    seen = [rnd.choose(RouteRequest(), reps).replica.url for _ in range(200)]
+    assert {u: seen.count(u) for u in seen}.keys() == {r.url for r in reps}
+    assert min(seen.count(r.url) for r in reps) > 40
+
+
+def test_session_sticks_and_only_a_lost_replicas_sessions_move() -> None:
+    reps = _replicas(4)
+    policy = SessionPolicy(ApproxPrefixIndex(), random.Random(0))
+    keys = [f"user-{i}" for i in range(200)]
+    before = {k: policy.choose(RouteRequest(session=k), reps).replica.url for k in keys}
+    assert before == {k: policy.choose(RouteRequest(session=k), reps).replica.url for k in keys}
+    assert len(set(before.values())) == 4  # spread over all
+    gone = reps[1].url
+    after = {k: policy.choose(RouteRequest(session=k), [r for r in reps if r.url != gone]).replica.url
+             for k in keys}  # fmt: skip
+    moved = {k for k in keys if before[k] != after[k]}
+    assert moved == {k for k in keys if before[k] == gone}
+    # No key: the fewest in flight.
+    reps[0].in_flight = reps[2].in_flight = reps[3].in_flight = 2
+    assert policy.choose(RouteRequest(), reps).replica is reps[1]
+
+
+def test_prefix_approx_prefers_the_longest_leading_run() -> None:
+    index = ApproxPrefixIndex()
+    reps = _replicas(3)
+    policy = PrefixApproxPolicy(index, random.Random(0))
+    index.record(reps[0].url, [0, 1])
+    index.record(reps[2].url, [0, 1, 2, 3])
+    index.record(reps[1].url, [1, 2, 3, 4, 5])  # not a leading run: block 0 missing
+    d = policy.choose(_req(6), reps)
+    assert d.replica is reps[2] and d.cached_blocks == 4
+    # A prefix nobody holds: the fewest in flight, whatever the index says.
+    reps[0].in_flight, reps[2].in_flight = 3, 1
+    assert policy.choose(_req(3, first=100), reps).replica is reps[1]
+    # The engine always computes the last prompt token: a prompt of exactly 4 blocks can
+    # hit 3 of them at most.
+    assert policy.choose(_req(4, tail=0), reps).cached_blocks == 3
+
+
+def test_cost_weighs_cache_against_queue_and_copies_a_hot_prefix() -> None:
+    index = ApproxPrefixIndex()
+    a, b = _replicas(2)
+    for r in (a, b):
+        r.prefill_s_per_token = 1e-3
+    policy = CostPolicy(index, random.Random(0))
+    index.record(a.url, list(range(10)))  # a holds 160 of the 200-token prompt
+    d = policy.choose(_req(12, tail=8), [a, b])
+    assert d.replica is a and d.cached_blocks == 10
+    assert d.predicted_ttft_s == pytest.approx(1e-3 * (200 - 160))
+    # a's queue (its streams not yet past their first byte) costs more than computing the
+    # whole prompt on b: b gets it, and from then on holds the prefix too.
+    a.pending, a.pending_tokens = 4, 400
+    d = policy.choose(_req(12, tail=8), [a, b])
+    assert d.replica is b and d.predicted_ttft_s == pytest.approx(0.2)
+    index.record(b.url, list(range(12)))
+    b.pending, b.pending_tokens = 1, 40
+    assert policy.choose(_req(12, tail=8), [a, b]).replica is b  # 40 + 8 beats 400 + 40
+    # A replica measured slower per token loses the tie it would otherwise win.
+    b.pending = b.pending_tokens = a.pending = a.pending_tokens = 0
+    a.prefill_s_per_token = 5e-3
+    assert policy.choose(_req(10, first=500), [a, b]).replica is b
+    # Waiting requests the router did not send count at the mean uncached size.
+    a.prefill_s_per_token = 1e-3
+    b.waiting = 50
+    assert policy.queued_tokens(b) == pytest.approx(50 * policy.mean_uncached)
+    assert policy.choose(_req(10, first=900), [a, b]).replica is a
+
+
+def test_cost_uses_the_fleet_mean_until_a_replica_has_measured() -> None:
+    a, b = _replicas(2)
+    a.prefill_s_per_token = 2e-3
+    policy = CostPolicy(ApproxPrefixIndex())
+    assert policy.prefill_s_per_token(b, [a, b]) == 2e-3
+    assert policy.prefill_s_per_token(b, [b]) == pytest.approx(1e-3)
+
+
+def test_approx_index_is_an_lru_of_the_replicas_size() -> None:
+    index = ApproxPrefixIndex()
+    index.set_capacity("r", 4)
+    index.record("r", [1, 2, 3])
+    index.record("r", [1, 9, 10])  # 1 is used again; 2 is the oldest and leaves
+    assert index.size("r") == 4
+    assert index.matched_blocks([1, 2], ["r"]) == {"r": 1}
+    assert index.matched_blocks([1, 9, 10], ["r", "other"]) == {"r": 3, "other": 0}
+    index.forget("r")
+    assert index.matched_blocks([1], ["r"]) == {"r": 0}
+
+
+def test_metrics_page_parsing() -> None:
+    text = (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        '\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 7.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 128.0\n'
+        'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n'
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 1.5\n'
+        'vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",'
+        'num_gpu_blocks="2048",prefix_caching_hash_algo="sha256_cbor"} 1.0\n'
+    )
+    load = parse_load(text)
+    assert load == {"running": 5.0, "waiting": 7.0, "kv_usage": 0.25, "cache_hits": 128.0,
+                    "prefill_seconds": 1.5}  # fmt: skip
+    labels = parse_cache_config(text)
+    assert labels is not None
+    assert (labels["block_size"], labels["prefix_caching_hash_algo"], labels["num_gpu_blocks"]) == (
+        "32", "sha256_cbor", "2048")  # fmt: skip
+    assert normalize_url("127.0.0.1:8000/v1/") == "http://127.0.0.1:8000"
+
+
+def test_replica_measures_prefill_time_per_token_and_survives_a_restart() -> None:
+    r = Replica("http://r")
+    r.update_load({"prefill_seconds": 1.0, "prefill_tokens": 1000.0}, 0.0)
+    assert r.prefill_s_per_token is None  # the first reading is only a baseline
+    r.update_load({"prefill_seconds": 1.5, "prefill_tokens": 2000.0}, 0.1)
+    assert r.prefill_s_per_token == pytest.approx(5e-4)
+    deltas = r.update_load({"prefill_seconds": 0.1, "prefill_tokens": 100.0}, 0.2)  # restarted
+    assert deltas["prefill_tokens"] == 0.0 and r.prefill_s_per_token == pytest.approx(5e-4)
+
+
+# ---- the router in front of scriptable replicas
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[FakeReplica]]:
+    reps = [FakeReplica("a"), FakeReplica("b")]
+    yield reps
+    for r in reps:
+        r.stop()
+
+
+def _router(backends: list[str], **kw: object) -> ServerThread:
+    settings: dict = {"health_check_interval": 0.2, "seed": 0, **kw}
+    config = RouterConfig(backends=backends, **settings)
+    return ServerThread(build_app(config))
+
+
+@pytest.fixture
+def router_for(replicas: list[FakeReplica]) -> Iterator:  # noqa: ANN001
+    started: list[ServerThread] = []
+
+    def start(policy: str = "round_robin", **kw: object) -> ServerThread:
+        server = _router([r.url for r in replicas], policy=policy, **kw)
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def _served_by(replicas: list[FakeReplica]) -> list[int]:
+    return [len(r.bodies) for r in replicas]
+
+
+def test_openai_client_streams_through_the_router(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("round_robin")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["fake"]
+    texts = []
+    for _ in range(2):
+        stream = client.completions.create(
+            model="fake", prompt="hi there", max_tokens=3, stream=True
+        )
+        texts.append("".join(c.choices[0].text for c in stream))
+    assert sorted(texts) == [" a0 a1 a2", " b0 b1 b2"]  # one on each replica
+    chat = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat.choices[0].message.content in (" a0 a1", " b0 b1")
+    # The client's headers reach the replica (auth included); hop-by-hop ones do not.
+    assert replicas[0].headers[0]["authorization"] == "Bearer k"
+    metrics = httpx.get(router.url + "/metrics").text
+    decided = {r.url: f'router:decisions_total{{policy="round_robin",replica="{r.url}"}} {n}.0'
+               for r, n in zip(replicas, _served_by(replicas), strict=True)}  # fmt: skip
+    assert sorted(_served_by(replicas)) == [1, 2] and all(d in metrics for d in decided.values())
+
+
+def test_a_dead_replica_is_skipped_and_put_back(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("round_robin")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0)
+    replicas[0].fail_status = 503  # answers, but every request fails before its first byte
+    for _ in range(4):
+        out = client.completions.create(model="fake", prompt="x", max_tokens=1)
+        assert out.choices[0].text == " b0"
+    assert len(replicas[0].bodies) >= 1  # tried, then moved
+    metrics = httpx.get(router.url + "/metrics").text
+    assert f'router:retries_total{{replica="{replicas[0].url}"}}' in metrics
+    replicas[0].fail_status = None
+    replicas[0].healthy = False  # its health check fails: out of the rotation
+    time.sleep(0.6)
+    before = _served_by(replicas)
+    for _ in range(4):
+        client.completions.create(model="fake", prompt="x", max_tokens=1)
+    assert _served_by(replicas)[0] == before[0]
+    replicas[0].healthy = True  # back
+    time.sleep(0.6)
+    for _ in range(4):
+        client.completions.create(model="fake", prompt="x", max_tokens=1)
+    assert _served_by(replicas)[0] > before[0]
+
+
+def test_a_killed_replica_fails_no_request_that_had_not_started(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("round_robin", health_check_interval=60.0)  # no health check helps
+    replicas[1].stop()  # connection refused from now on
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0)
+    outs = [client.completions.create(model="fake", prompt="x", max_tokens=1).choices[0].text
+            for _ in range(6)]  # fmt: skip
+    assert outs == [" a0"] * 6
+    assert httpx.get(router.url + "/admin/backends").status_code == 403  # no --api-key
+    replicas[0].stop()
+    r = httpx.post(router.url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+    assert httpx.get(router.url + "/health").status_code == 503
+
+
+def test_a_stream_whose_replica_dies_ends_with_an_error_event(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("round_robin")
+    for r in replicas:
+        r.break_after = 2
+    body = {"model": "fake", "prompt": "x", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert len(events) == 4 and events[-1] == "[DONE]"
+    assert json.loads(events[2])["error"]["code"] == 502
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] in (
+        [" a0", " a1"],
+        [" b0", " b1"],
+    )
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.APIError):
+        for _ in client.completions.create(model="fake", prompt="x", max_tokens=5, stream=True):
+            pass
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("round_robin", api_key="secret")
+    for r in replicas:
+        r.chunk_delay = 0.05
+    body = {"model": "fake", "prompt": "x", "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as r:
+        next(r.iter_lines())
+    auth = {"authorization": "Bearer secret"}
+    deadline = time.monotonic() + 5
+    while True:
+        backends = httpx.get(router.url + "/admin/backends", headers=auth).json()["backends"]
+        if all(b["in_flight"] == 0 for b in backends) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [b["in_flight"] for b in backends] == [0, 0]
+
+
+def test_admin_endpoint_adds_and_removes_backends(replicas) -> None:  # noqa: ANN001
+    router = _router([replicas[0].url], policy="round_robin", api_key="secret")
+    try:
+        url = router.url + "/admin/backends"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"authorization": "Bearer nope"}).status_code == 401
+        auth = {"authorization": "Bearer secret"}
+        assert httpx.post(url, json={"nope": 1}, headers=auth).status_code == 400
+        r = httpx.post(url, json={"url": replicas[1].url + "/v1"}, headers=auth)
+        assert r.json() == {"url": replicas[1].url, "healthy": True}
+        listed = httpx.get(url, headers=auth).json()["backends"]
+        assert [b["url"] for b in listed] == [replicas[0].url, replicas[1].url]
+        assert listed[0]["block_size"] == 4 and listed[0]["num_blocks"] == 64
+        for _ in range(4):
+            httpx.post(router.url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+        assert _served_by(replicas) == [2, 2]
+        assert (
+            httpx.request("DELETE", url, json={"url": replicas[0].url}, headers=auth).status_code
+            == 200
+        )
+        assert (
+            httpx.request("DELETE", url, json={"url": replicas[0].url}, headers=auth).status_code
+            == 404
+        )
+        for _ in range(2):
+            httpx.post(router.url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+        assert _served_by(replicas) == [2, 4]
+    finally:
+        router.stop()
+
+
+def test_session_header_and_user_stick(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("session")
+    for i in range(6):
+        httpx.post(router.url + "/v1/completions", headers={"x-session-id": "s1"},
+                   json={"model": "fake", "prompt": f"q{i}"})  # fmt: skip
+    assert sorted(_served_by(replicas)) == [0, 6]
+    for i in range(4):
+        httpx.post(router.url + "/v1/chat/completions",
+                   json={"model": "fake", "user": "alice", "messages": [{"role": "user", "content": f"{i}"}]})  # fmt: skip
+    assert sorted(_served_by(replicas)) in ([0, 10], [4, 6])
+
+
+def test_prefix_approx_returns_a_prefix_to_its_replica(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("prefix_approx")  # tokenizes through the replicas' /tokenize
+    prefixes = [" ".join(f"w{g}x{i}" for i in range(40)) for g in range(6)]
+    first: dict[int, str] = {}
+    for rnd in range(3):
+        for g, prefix in enumerate(prefixes):
+            before = _served_by(replicas)
+            r = httpx.post(router.url + "/v1/completions",
+                           json={"model": "fake", "prompt": f"{prefix} question {rnd}", "max_tokens": 1})  # fmt: skip
+            assert r.status_code == 200
+            served = "ab"[
+                [a - b for a, b in zip(_served_by(replicas), before, strict=True)].index(1)
+            ]
+            assert first.setdefault(g, served) == served
+    assert set(first.values()) == {"a", "b"}  # new prefixes spread by load
+    metrics = httpx.get(router.url + "/metrics").text
+    predicted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("router:predicted_cached_tokens_total"))  # fmt: skip
+    assert predicted == 6 * 2 * (len(word_ids(prefixes[0])) // 4) * 4  # rounds 2 and 3 hit
