@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
+from typing import Any
 
 import msgspec
 
@@ -34,6 +36,20 @@ def _threads_for_helper_process() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
+
+
+def kv_events_info(config: ServeConfig) -> dict[str, Any] | None:
+    """What ``GET /kv_events`` reports: where each engine core publishes, and the block
+    size and hash algorithm a subscriber needs to match its hashes."""
+    if not config.kv_event_publishers:
+        return None
+    cache = config.engine.cache
+    return {
+        "publishers": [dataclasses.asdict(p) for p in config.kv_event_publishers],
+        "block_size": cache.block_size,
+        "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
+        "model": config.served_model_names[0],
+    }
 
 
 def _run_api_server(config: ServeConfig, control: str) -> None:
@@ -57,6 +73,7 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
         api_key=config.api_key,
         max_num_queued_reqs=config.max_num_queued_reqs,
         enable_request_id_headers=config.enable_request_id_headers,
+        kv_events=kv_events_info(config),
     )
     app = build_app(frontend, settings)
     server = uvicorn.Server(

@@ -143,7 +143,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-events-endpoint",
         default=None,
-        help="publish KV cache events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557)",
+        help="publish KV cache events (vLLM's wire format) on this ZMQ endpoint (e.g. "
+        "tcp://127.0.0.1:5557), or 'auto': free loopback ports for events and replay, "
+        "reported at GET /kv_events",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='vLLM\'s JSON form: {"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": ..., "replay_endpoint": ..., "topic": ..., "buffer_steps": ...}',
     )
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument(
@@ -231,6 +239,14 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
         help="the header whose value sticks a session to a replica (policy session; else "
         "the body's 'user')",
     )
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[,REPLAY[,TOPIC]]",
+        help="where a replica that does not report it (vLLM started with --kv-events-config) "
+        "publishes its KV events; ours report theirs at GET /kv_events",
+    )
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
     p.add_argument(
         "--load-interval-ms", type=float, default=100.0, help="how often the cost policy reads load"
@@ -251,6 +267,16 @@ def _run_router(args: argparse.Namespace) -> int:
         raise ConfigError(f"--block-size must be a power of two, got {args.block_size}")
     if args.health_check_interval <= 0 or args.load_interval_ms <= 0:
         raise ConfigError("--health-check-interval and --load-interval-ms must be positive")
+    from services.router.kv_events import Publisher
+    from services.router.replicas import normalize_url
+
+    kv_events = {}
+    for item in args.kv_events:
+        url, sep, where = item.partition("=")
+        parts = where.split(",")
+        if not sep or not parts[0] or len(parts) > 3:
+            raise ConfigError(f"--kv-events takes URL=ENDPOINT[,REPLAY[,TOPIC]], got {item!r}")
+        kv_events[normalize_url(url)] = Publisher(*parts)
     tokenizer = args.tokenizer
     if tokenizer is not None:
         from services.model_loader import prepare_model
@@ -270,6 +296,7 @@ def _run_router(args: argparse.Namespace) -> int:
         load_interval_ms=args.load_interval_ms,
         log_level=args.uvicorn_log_level,
         seed=args.seed,
+        kv_events=kv_events,
     )
     return run_router(config)
 

@@ -16,6 +16,7 @@ accepting (503), lets in-flight requests finish for up to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -39,6 +40,7 @@ from services.config import (
     ConfigError,
     Endpoints,
     EngineConfig,
+    KVEventPublisherInfo,
     ModelArchConfig,
     ParallelConfig,
     ServeConfig,
@@ -183,7 +185,13 @@ class Launcher:
             self._start(
                 "scheduler", "0", str(d), name="scheduler" if dp == 1 else f"engine {d} scheduler"
             )
-        self._wait_ready(Counter(scheduler=len(local)), 300)
+        schedulers = self._wait_ready(Counter(scheduler=len(local)), 300)
+        ep = self.config.endpoints
+        self.config.kv_event_publishers = [
+            KVEventPublisherInfo(r.kv_events, r.kv_events_replay, ep.kv_events_topic, r.engine)
+            for r in sorted(schedulers, key=lambda r: r.engine)
+            if r.kv_events
+        ]
 
     def supervise(self) -> int:
         """Block until a child dies (exit 1) or a drain completes (exit 0)."""
@@ -355,6 +363,37 @@ def _check_headless(parallel: ParallelConfig, headless: bool) -> None:
         )
 
 
+def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: str | None) -> None:
+    """``--kv-events-endpoint ENDPOINT|auto`` or vLLM's ``--kv-events-config JSON``
+    (``enable_kv_cache_events``, ``publisher`` "zmq", ``endpoint``, ``replay_endpoint``,
+    ``topic``, ``buffer_steps``). ``auto`` binds the PUB and the replay socket to free
+    loopback ports, reported at ``GET /kv_events``."""
+    if config_json:
+        if endpoint is not None:
+            raise ConfigError("give --kv-events-endpoint or --kv-events-config, not both")
+        try:
+            cfg = json.loads(config_json)
+        except ValueError as e:
+            raise ConfigError(f"--kv-events-config is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError("--kv-events-config must be a JSON object")
+        unknown = set(cfg) - {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint",
+                              "topic", "buffer_steps", "hwm", "max_queue_size"}  # fmt: skip
+        if unknown:
+            raise ConfigError(f"--kv-events-config: unknown keys {sorted(unknown)}")
+        if not cfg.get("enable_kv_cache_events", False) or cfg.get("publisher") == "null":
+            return
+        if cfg.get("publisher", "zmq") != "zmq":
+            raise ConfigError("--kv-events-config: the only publisher is 'zmq'")
+        endpoints.kv_events = str(cfg.get("endpoint") or "tcp://*:5557")
+        endpoints.kv_events_replay = cfg.get("replay_endpoint")
+        endpoints.kv_events_topic = str(cfg.get("topic") or "")
+        endpoints.kv_events_buffer_steps = int(cfg.get("buffer_steps") or 10_000)
+    elif endpoint is not None:
+        endpoints.kv_events = endpoint
+        endpoints.kv_events_replay = "auto" if endpoint == "auto" else None
+
+
 def run_server(args: object) -> int:
     engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
     model = engine.model.model
@@ -368,7 +407,7 @@ def run_server(args: object) -> int:
     endpoints = Endpoints()
     for name in _SOCKETS:
         setattr(endpoints, name, ipc.endpoint(name))
-    endpoints.kv_events = a.get("kv_events_endpoint")
+    kv_events_settings(endpoints, a.get("kv_events_endpoint"), a.get("kv_events_config"))
     cross_node_endpoints(endpoints, engine.parallel)
     config = ServeConfig(
         engine=engine,
@@ -387,6 +426,9 @@ def run_server(args: object) -> int:
         log_stats_interval=a.get("log_stats_interval") or 10.0,
         disable_log_stats=bool(a.get("disable_log_stats")),
     )
+    if endpoints.kv_events is not None and not endpoints.kv_events_topic:
+        # llm-d's convention: the topic names the replica and the model.
+        endpoints.kv_events_topic = f"kv@{config.host}:{config.port}@{config.served_model_names[0]}"
     if config.tokenizer_workers < 1:
         raise ConfigError("--tokenizer-workers must be at least 1")
     if config.log_stats_interval <= 0:

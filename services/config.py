@@ -363,7 +363,10 @@ class Endpoints:
     detok_tokens: str = ""  # detokenizer binds (PULL) <- scheduler
     detok_specs: str = ""  # detokenizer binds (PULL) <- tokenizers
     control: str = ""  # launcher binds (PULL) <- every child's Ready
-    kv_events: str | None = None  # scheduler binds (PUB) for routers, when set
+    kv_events: str | None = None  # scheduler binds (PUB) for routers, when set ("auto": any port)
+    kv_events_replay: str | None = None  # scheduler binds (ROUTER): replays of past batches
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
     engine_state: str = ""  # scheduler binds (PUB) -> tokenizers: load and cached blocks (DP)
     # Engine cores on other machines (--data-parallel-size-local): their own addresses.
     remote_engines: dict[int, EngineAddresses] = field(default_factory=dict)
@@ -381,14 +384,30 @@ class Endpoints:
         own = {name: getattr(self, name) + suffix for name in self._PER_ENGINE}
         if (remote := self.remote_engines.get(dp_rank)) is not None:
             own.update(engine_core=remote.engine_core, engine_state=remote.engine_state)
-        kv = self.kv_events
-        if kv is not None:
-            head, _, port = kv.rpartition(":")
-            kv = f"{head}:{int(port) + dp_rank}" if port.isdigit() else f"{kv}_{dp_rank}"
-        return dataclasses.replace(self, kv_events=kv, **own)
+        kv, replay = (_offset_endpoint(e, dp_rank) for e in (self.kv_events, self.kv_events_replay))
+        return dataclasses.replace(self, kv_events=kv, kv_events_replay=replay, **own)
 
     def engines(self, data_parallel_size: int) -> list[Endpoints]:
         return [self.for_engine(d) for d in range(data_parallel_size)]
+
+
+def _offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
+    """Engine ``dp_rank``'s own address for a KV event socket: the TCP port plus the rank
+    (as vLLM does), a suffix for ipc; ``auto`` stays ``auto`` (each binds a free port)."""
+    if endpoint is None or endpoint == "auto" or dp_rank == 0:
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + dp_rank}" if port.isdigit() else f"{endpoint}_{dp_rank}"
+
+
+@dataclass
+class KVEventPublisherInfo:
+    """One engine core's KV event sockets as bound (``GET /kv_events`` reports them)."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    data_parallel_rank: int
 
 
 @dataclass
@@ -411,3 +430,4 @@ class ServeConfig:
     # metrics (services/metrics/): the periodic stats line, and vLLM's switch for engine stats
     log_stats_interval: float = 10.0
     disable_log_stats: bool = False
+    kv_event_publishers: list[KVEventPublisherInfo] = field(default_factory=list)

@@ -251,12 +251,17 @@ class AsyncPullSocket(_AsyncBase[T]):
 
 
 def report_ready(
-    control_endpoint: str, role: str, num_blocks: int = 0, rank: int = 0, engine: int = 0
+    control_endpoint: str,
+    role: str,
+    num_blocks: int = 0,
+    rank: int = 0,
+    engine: int = 0,
+    kv_events: tuple[str, str] = ("", ""),
 ) -> None:
     """Tell the launcher this process is up (its control socket is bound by the launcher)."""
     from services.protocol import Ready
 
     sock = PushSocket[Ready](control_endpoint, Ready)
-    sock.send(Ready(role, os.getpid(), num_blocks, rank, engine))
+    sock.send(Ready(role, os.getpid(), num_blocks, rank, engine, *kv_events))
     # Unlike our other sockets (linger 0), wait for the message to leave before closing.
     sock.socket.close(linger=10_000)

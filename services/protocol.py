@@ -446,12 +446,17 @@ ApiServerInput = TextDeltaBatch | RequestError | TokenizeResult | DetokenizeResu
 
 # ---- KV events: scheduler -PUB KVEventBatch-> router (prefix_precise)
 #
-# As vLLM's vllm/distributed/kv_events.py: the prefix cache reports blocks it
-# stores and evicts, so a router can tell which replica holds which prefix.
-# Block hashes are the scheduler's (services/scheduler/block_hash.py): bytes for
-# sha256 / sha256_cbor, int for builtin. ``seq`` numbers batches per publisher.
+# vLLM's wire format (vllm/distributed/kv_events.py): the prefix cache reports blocks it
+# stores and evicts, so a router can tell which replica holds which prefix. Each batch
+# leaves as a ZMQ multipart message (topic, 8-byte big-endian sequence number, msgpack
+# KVEventBatch); services/scheduler/kv_events.py publishes and replays them. Every field is
+# encoded (no omit_defaults) in vLLM's order, events tagged by class name, so decoders
+# built on vLLM's array-like structs (vLLM's own subscriber, llm-d, Dynamo) read ours.
+# Block hashes are the scheduler's (services/scheduler/block_hash.py): bytes for sha256 /
+# sha256_cbor, int for builtin.
 
-_KV_EVENT = {**_STRUCT, "tag": True}
+_KV_EVENT = {"array_like": True, "tag": True}
+MEDIUM_GPU = "GPU"  # vLLM's name for the engine's own KV pool, whatever the device
 
 
 class BlockStored(msgspec.Struct, **_KV_EVENT):
@@ -462,14 +467,15 @@ class BlockStored(msgspec.Struct, **_KV_EVENT):
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
-    medium: str | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, **_KV_EVENT):
     """Blocks left the prefix cache (evicted to make room)."""
 
     block_hashes: list[bytes | int]
-    medium: str | None = None
+    medium: str | None = MEDIUM_GPU
 
 
 class AllBlocksCleared(msgspec.Struct, **_KV_EVENT):
@@ -479,12 +485,11 @@ class AllBlocksCleared(msgspec.Struct, **_KV_EVENT):
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, **_STRUCT):
-    """The KV events of one engine step, in order."""
+class KVEventBatch(msgspec.Struct, array_like=True):
+    """The KV events of one engine step, in order (its sequence number travels beside it)."""
 
     ts: float
     events: list[KVCacheEvent]
-    seq: int = 0
     data_parallel_rank: int | None = None
 
 
@@ -514,6 +519,8 @@ class Ready(msgspec.Struct, **_STRUCT):
     num_blocks: int = 0
     rank: int = 0
     engine: int = 0  # the data-parallel engine core a worker or scheduler belongs to
+    kv_events: str = ""  # a scheduler's KV event PUB and replay addresses, as bound
+    kv_events_replay: str = ""
 
 
 # ---- engine nodes (--headless with --data-parallel-size-local): the node's launcher

@@ -43,8 +43,10 @@ class RemoteServer:
     ``children()`` maps each role (worker, scheduler, ...) to its pid.
     """
 
-    def __init__(self, *extra_args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self, *extra_args: str, env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="actorserve-test-", suffix=".log")  # noqa: SIM115 - closed by close()
         cmd = [

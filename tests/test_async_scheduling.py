@@ -96,7 +96,7 @@ def _engine_core_proc(async_scheduling: bool):
     proc.core = EngineCore(engine, SimExecutor(64, 4, 1))
     proc.scheduler = proc.core.scheduler
     proc._inputs = queue.SimpleQueue()
-    proc._detok, proc._kv_events, proc._kv_event_seq, proc._state = Sent(), None, 0, None
+    proc._detok, proc._kv_events, proc._state = Sent(), None, None
     proc._last_load, proc._received, proc._unsent = (0, 0), False, None
     config = ServeConfig(engine=engine, served_model_names=["m"])
     proc.metrics = EngineCoreMetrics(config, proc.scheduler, logging.getLogger(__name__))

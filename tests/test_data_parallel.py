@@ -12,10 +12,11 @@ import concurrent.futures
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
+import zmq
 
-from services.ipc import SubSocket
 from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, EngineState, KVEventBatch
 from services.tokenizer.balancer import DataParallelBalancer
 from tests.server_utils import RemoteServer, free_port, metric
@@ -58,7 +59,22 @@ def test_balancer_prefix_affinity_within_the_slack_only() -> None:
     assert b.cached_blocks(prompt, None) == [0, 0]
 
 
-KV_EVENTS_PORT = free_port()  # engine d publishes on this port + d
+def _two_free_ports() -> int:
+    """A port p with p + 1 free too (engine d publishes on p + d)."""
+    import socket
+
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+KV_EVENTS_PORT = _two_free_ports()
 
 
 @pytest.fixture(scope="module")
@@ -115,20 +131,28 @@ def test_pinned_rank_and_per_engine_metrics(dp_server) -> None:
 
 
 def test_kv_events_carry_the_data_parallel_rank(dp_server) -> None:
-    subs = [
-        SubSocket[KVEventBatch](f"tcp://127.0.0.1:{KV_EVENTS_PORT + d}", KVEventBatch)
-        for d in (0, 1)
-    ]
+    ctx = zmq.Context()
+    subs = []
+    for d in (0, 1):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{KV_EVENTS_PORT + d}")
+        subs.append(sub)
     try:
         time.sleep(0.5)  # PUB/SUB: the subscriptions must arrive before the events
         prompt = "A prompt long enough to fill a few blocks of sixteen tokens, " * 3
         _completion(dp_server.url, prompt, {"X-data-parallel-rank": "1"})
-        batch = subs[1].recv(timeout_ms=10_000)
-        assert batch is not None and batch.data_parallel_rank == 1 and batch.events
-        assert subs[0].recv(timeout_ms=500) is None  # engine 0 stored nothing
+        assert subs[1].poll(10_000)
+        topic, seq, payload = subs[1].recv_multipart()  # vLLM's frames
+        assert topic == f"kv@127.0.0.1:{dp_server.port}@{MODEL}".encode()
+        assert len(seq) == 8  # big-endian sequence number
+        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+        assert batch.data_parallel_rank == 1 and batch.events
+        assert not subs[0].poll(500)  # engine 0 stored nothing
     finally:
         for sub in subs:
-            sub.close()
+            sub.close(linger=0)
+        ctx.term()
 
 
 def test_dp2_with_tp2_is_four_workers(small_model) -> None:

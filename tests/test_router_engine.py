@@ -102,3 +102,94 @@ def test_cost_with_the_routers_own_tokenizer_predicts_chat_hits(replicas) -> Non
               for q in range(3) for t in range(3)]  # fmt: skip
     with router(replicas, "--tokenizer", "default") as url:  # --policy cost is the default
         _check_predictions(url, replicas, bodies)
+
+
+# ---- prefix_precise: the replicas' KV events, under evictions and across a restart
+
+SIM_SMALL = ("--worker-backend", "sim", "--sim-model", MODEL, "--sim-hardware", "h200",
+             "--kv-cache-memory-bytes", "128MiB", "--max-model-len", "1024",
+             "--kv-events-endpoint", "auto")  # fmt: skip
+
+
+def _documents(n: int, tag: str) -> list[str]:
+    return [f"Case {tag}{g}: " + " ".join(f"fact {g}.{i} is plain." for i in range(45))
+            for g in range(n)]  # fmt: skip
+
+
+def _hits_and_predictions(
+    url: str, servers: list[RemoteServer], prompts: list[str]
+) -> tuple[float, float]:
+    before, predicted = _hits(servers), _router_sum(url, "router:predicted_cached_tokens_total")
+    for p in prompts:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 4},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+    return (_hits(servers) - before,
+            _router_sum(url, "router:predicted_cached_tokens_total") - predicted)  # fmt: skip
+
+
+def _flood(servers: list[RemoteServer], tag: str) -> None:
+    """Traffic that bypasses the router: enough new documents to evict every pool."""
+    for s in servers:
+        for d in _documents(6, f"{tag}{s.port}"):
+            r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": d,
+                           "max_tokens": 1}, timeout=60)  # fmt: skip
+            assert r.status_code == 200
+
+
+def test_prefix_precise_follows_evictions_that_prefix_approx_cannot_see() -> None:
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(RemoteServer(*SIM_SMALL)) for _ in range(2)]
+        for s in servers:
+            s.wait_ready()
+        info = httpx.get(servers[0].url + "/kv_events").json()
+        assert info["block_size"] == 16 and info["publishers"][0]["topic"] == (
+            f"kv@127.0.0.1:{servers[0].port}@{MODEL}")  # fmt: skip
+        # 10 documents of ~290 tokens, asked about three times in turn: the 73-block pools
+        # hold about two and a half each, so most are evicted before they come back.
+        docs = _documents(10, "a")
+        with router(servers, "--policy", "prefix_precise") as url:
+            prompts = [f"{d}\nQ{q}?" for q in range(3) for d in docs]
+            measured, predicted = _hits_and_predictions(url, servers, prompts)
+            assert predicted == measured
+            assert _router_sum(url, "router:kv_event_batches_total") > 0
+            # Other clients evict what the router sent: the events tell it.
+            _hits_and_predictions(url, servers, [f"{docs[0]}\nQ3?"])
+            _flood(servers, "p")
+            assert _hits_and_predictions(url, servers, [f"{docs[0]}\nQ4?"]) == (0, 0)
+        with router(servers, "--policy", "prefix_approx") as url:
+            _hits_and_predictions(url, servers, [f"{docs[1]}\nQ5?"])
+            _flood(servers, "q")
+            measured, predicted = _hits_and_predictions(url, servers, [f"{docs[1]}\nQ6?"])
+            assert measured == 0 and predicted > 0  # it still believes in evicted blocks
+
+
+def _backend(url: str, replica: RemoteServer) -> dict:
+    auth = {"authorization": "Bearer k"}
+    listed = httpx.get(url + "/admin/backends", headers=auth).json()["backends"]
+    return next(b for b in listed if b["url"] == replica.url)
+
+
+def test_prefix_precise_after_a_replica_restart() -> None:
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(RemoteServer(*SIM_SMALL)).wait_ready()
+        b = stack.enter_context(RemoteServer(*SIM_SMALL)).wait_ready()
+        doc = _documents(1, "r")[0]
+        with router([a, b], "--policy", "prefix_precise", "--api-key", "k") as url:
+            _hits_and_predictions(url, [a, b], [f"{doc}\nQ0?"])
+            holder = a if (metric(a, "vllm:request_success_total") or 0) else b
+            other = b if holder is a else a
+            assert _backend(url, holder)["precise_index_blocks"] > 0
+            holder.close()  # restart it on the same port: it comes back with an empty cache
+            again = stack.enter_context(RemoteServer(*SIM_SMALL, port=holder.port)).wait_ready()
+            deadline = time.monotonic() + 30
+            while True:  # the router saw it go and come back, and follows its new sockets
+                entry = _backend(url, again)
+                if entry["healthy"] and entry["precise_index_blocks"] == 0:
+                    break
+                assert time.monotonic() < deadline, entry
+                time.sleep(0.2)
+            measured, predicted = _hits_and_predictions(url, [again, other], [f"{doc}\nQ1?"])
+            assert predicted == measured == 0  # nobody holds it any more
+            measured, predicted = _hits_and_predictions(url, [again, other], [f"{doc}\nQ2?"])
+            assert predicted == measured > 0

@@ -59,6 +59,8 @@ class ServerSettings:
     max_request_body_bytes: int = 8 << 20
     enable_request_id_headers: bool = False
     created: int = field(default_factory=lambda: int(clock.wall()))
+    # ``GET /kv_events``: the engine cores' KV event sockets, and what their hashes depend on
+    kv_events: dict[str, Any] | None = None
 
 
 def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
@@ -330,6 +332,14 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=503 if frontend.errored else 200)
+
+    @app.get("/kv_events")
+    async def kv_events() -> Response:
+        if settings.kv_events is None:
+            return error_response(
+                404, "KV events are off: start the server with --kv-events-endpoint auto"
+            )
+        return JSONResponse(settings.kv_events)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -16,11 +16,13 @@ Bearer KEY``). Clients' ``Authorization`` headers pass through to the replicas.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from services.router.kv_events import (
+    DecodedBatch,
+    EventFollower,
+    PreciseIndex,
+    Publisher,
+    Subscription,
+)
 from services.router.metrics import RouterMetrics
 from services.router.policies import POLICIES, Decision, Policy, RouteRequest
 from services.router.prefix_index import ApproxPrefixIndex
@@ -62,6 +71,8 @@ class RouterConfig:
     max_body_bytes: int = 64 << 20
     log_level: str = "warning"
     seed: int | None = None
+    # Replicas that do not report their KV event sockets (vLLM's): URL -> where they publish.
+    kv_events: dict[str, Publisher] = field(default_factory=dict)
 
 
 def error_response(status: int, message: str, error_type: str) -> JSONResponse:
@@ -85,6 +96,7 @@ class Router:
     replicas: ReplicaSet = field(init=False)
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     index: ApproxPrefixIndex = field(default_factory=ApproxPrefixIndex)
+    precise: PreciseIndex = field(default_factory=PreciseIndex)
     geometry: CacheGeometry | None = None
     hasher: BlockHasher | None = None
 
@@ -92,7 +104,12 @@ class Router:
         import random
 
         policy_cls = POLICIES[self.config.policy]
-        self.policy: Policy = policy_cls(self.index, random.Random(self.config.seed))
+        view = policy_cls.index_for(self.precise, self.index)
+        self.policy: Policy = policy_cls(view, random.Random(self.config.seed))
+        self.follower = EventFollower(self.precise, on_batch=self._on_events)
+        self.refused: dict[str, str] = {}  # replica -> why it is kept out
+        self._publishers: dict[str, list[Publisher]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         c = self.config
         if c.block_size is not None:
             self._adopt(CacheGeometry(c.block_size, c.prefix_caching_hash_algo or "sha256"))
@@ -117,11 +134,10 @@ class Router:
         if self.geometry is None:
             self._adopt(g)
         elif not self.geometry.same_hashes(g):
-            log.error(
-                "replica %s hashes blocks of %d tokens with %s, the router %d with %s: kept out",
-                replica.url, g.block_size, g.hash_algo, self.geometry.block_size,
-                self.geometry.hash_algo,
-            )  # fmt: skip
+            why = (f"it hashes blocks of {g.block_size} tokens with {g.hash_algo}, the router "
+                   f"{self.geometry.block_size} with {self.geometry.hash_algo}")  # fmt: skip
+            log.error("replica %s kept out: %s", replica.url, why)
+            self.refused[replica.url] = why
             return False
         self.index.set_capacity(replica.url, g.num_blocks)
         return True
@@ -130,6 +146,79 @@ class Router:
         self.metrics.healthy.labels(replica.url).set(1 if replica.healthy else 0)
         if not replica.healthy:  # a restarted replica comes back empty
             self.index.forget(replica.url)
+        else:  # (back) in rotation: where does it publish its KV events now?
+            task = asyncio.create_task(self.follow_events(replica))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def add_replica(self, url: str) -> Replica:
+        """Watch a replica and, once it is healthy, follow its KV events."""
+        replica = await self.replicas.add(url)
+        if replica.healthy:
+            await self.follow_events(replica)
+        return replica
+
+    async def remove_replica(self, url: str) -> bool:
+        if await self.replicas.remove(url) is None:
+            return False
+        await self.follower.stop(url)
+        self._publishers.pop(url, None)
+        self.index.forget(url)
+        self.metrics.remove_replica(url)
+        return True
+
+    async def follow_events(self, replica: Replica) -> None:
+        """Subscribe to the replica's KV events: from ``--kv-events`` or its ``GET /kv_events``
+        (our servers with ``--kv-events-endpoint``), checking that its hashes are ours."""
+        publishers = (
+            [self.config.kv_events[replica.url]] if replica.url in self.config.kv_events else []
+        )
+        if not publishers:
+            try:
+                r = await self.client.get(f"{replica.url}/kv_events", timeout=5.0)
+                info = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                info = None
+            if not isinstance(info, dict):
+                return
+            g = self.geometry
+            block_size, algo = info.get("block_size"), info.get("prefix_caching_hash_algo")
+            if g is not None and (block_size, algo) != (g.block_size, g.hash_algo):
+                why = (f"its KV events hash blocks of {block_size} tokens with {algo}, the "
+                       f"router {g.block_size} with {g.hash_algo}")  # fmt: skip
+                log.error("replica %s kept out: %s", replica.url, why)
+                self.refused[replica.url] = why
+                replica.admitted = False
+                self.replicas.mark_failed(replica, why)
+                return
+            publishers = [
+                Publisher(
+                    p["endpoint"],
+                    p.get("replay_endpoint") or "",
+                    p.get("topic") or "",
+                    int(p.get("data_parallel_rank") or 0),
+                )  # fmt: skip
+                for p in info.get("publishers", [])
+            ]
+        if publishers and publishers != self._publishers.get(replica.url):
+            self._publishers[replica.url] = publishers
+            await self.follower.follow(replica.url, publishers)
+
+    def _on_events(self, sub: Subscription, batch: DecodedBatch) -> None:
+        self.metrics.event_lag.labels(sub.replica).set(sub.stats.last_lag_s)
+        self.metrics.event_batches.labels(sub.replica).inc()
+
+    def event_stats(self, url: str) -> dict[str, Any]:
+        subs = self.follower.subscriptions(url)
+        resyncs: Counter[str] = Counter()
+        for sub in subs:
+            resyncs.update(sub.stats.resyncs)
+        return {
+            "publishers": len(subs),
+            "batches": sum(s.stats.batches for s in subs),
+            "replays": sum(s.stats.replays for s in subs),
+            "resyncs": dict(resyncs),
+        }
 
     def _on_metrics(self, replica: Replica, deltas: dict[str, float]) -> None:
         if deltas.get("cache_hits"):
@@ -314,6 +403,9 @@ class Router:
                 "running": r.running, "waiting": r.waiting, "kv_cache_usage": r.kv_usage,
                 "prefill_seconds_per_token": r.prefill_s_per_token,
                 "index_blocks": self.index.size(r.url),
+                "precise_index_blocks": self.precise.size(r.url),
+                "kv_events": self.event_stats(r.url),
+                "refused": self.refused.get(r.url),
                 "block_size": g.block_size if g else None,
                 "hash_algo": g.hash_algo if g else None, "num_blocks": g.num_blocks if g else None,
             })  # fmt: skip
@@ -321,7 +413,12 @@ class Router:
 
     def refresh_gauges(self) -> None:
         for r in self.replicas.replicas.values():
-            self.metrics.index_blocks.labels(r.url).set(self.index.size(r.url))
+            followed = self.precise.has(r.url)
+            size = self.precise.size(r.url) if followed else self.index.size(r.url)
+            self.metrics.index_blocks.labels(r.url).set(size)
+            for sub in self.follower.subscriptions(r.url):
+                for reason, n in sub.stats.resyncs.items():
+                    self.metrics.resyncs.labels(r.url, reason).set(n)
             self.metrics.in_flight.labels(r.url).set(r.in_flight)
             self.metrics.healthy.labels(r.url).set(1 if r.healthy else 0)
             if r.prefill_s_per_token is not None:
@@ -344,9 +441,13 @@ def build_app(config: RouterConfig) -> FastAPI:
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             router = state["router"] = Router(config, client)
             for url in config.backends:
-                await router.replicas.add(url)
+                await router.add_replica(url)
+            if router.refused:
+                # Started with replicas whose hashes differ: no index could serve them all.
+                raise RuntimeError("; ".join(f"{u}: {w}" for u, w in router.refused.items()))
             yield
             await router.replicas.close()
+            await router.follower.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -393,7 +494,13 @@ def build_app(config: RouterConfig) -> FastAPI:
         url = await admin_target(request)
         if isinstance(url, Response):
             return url
-        replica = await state["router"].replicas.add(url)
+        router = state["router"]
+        replica = await router.add_replica(url)
+        if url in router.refused:
+            await router.remove_replica(url)
+            return error_response(
+                400, f"{url} refused: {router.refused.pop(url)}", "BadRequestError"
+            )
         return JSONResponse({"url": replica.url, "healthy": replica.healthy})
 
     @app.delete("/admin/backends")
@@ -401,11 +508,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         url = await admin_target(request)
         if isinstance(url, Response):
             return url
-        router = state["router"]
-        if await router.replicas.remove(url) is None:
+        if not await state["router"].remove_replica(url):
             return error_response(404, f"no backend {url}", "NotFoundError")
-        router.index.forget(url)
-        router.metrics.remove_replica(url)
         return JSONResponse({"url": url, "removed": True})
 
     @app.post("/v1/completions")

@@ -8,7 +8,9 @@
   ``vllm:prefix_cache_hits``) and ``router:measured_cache_queries_total{replica}``: how well
   the index predicts the replica's cache;
 - ``router:prompt_tokens_total{replica}``: prompt tokens routed (when the prompt was tokenized);
-- ``router:index_blocks{replica}``, ``router:replica_healthy{replica}``,
+- ``router:kv_event_batches_total{replica}``, ``router:kv_event_resyncs{replica,reason}``
+  (gap not replayable, sequence went back, reconnected), ``router:kv_event_lag_seconds``;
+- ``router:index_blocks{replica}`` (the KV events' index where the replica publishes), ``router:replica_healthy{replica}``,
   ``router:replica_in_flight{replica}``, ``router:replica_prefill_seconds_per_token{replica}``;
 - ``router:time_to_first_byte_seconds{replica}`` (measured at the router) and
   ``router:predicted_ttft_seconds{replica}`` (the ``cost`` policy's estimate).
@@ -53,6 +55,12 @@ class RouterMetrics:
         self.prefill_s_per_token = Gauge("router:replica_prefill_seconds_per_token",
                                          "Measured prefill seconds per computed token.",
                                          ["replica"], registry=r)  # fmt: skip
+        self.event_batches = Counter("router:kv_event_batches", "KV event batches applied.",
+                                     ["replica"], registry=r)  # fmt: skip
+        self.resyncs = Gauge("router:kv_event_resyncs", "Times the replica's KV event index "
+                             "was rebuilt, by reason.", ["replica", "reason"], registry=r)  # fmt: skip
+        self.event_lag = Gauge("router:kv_event_lag_seconds", "Age of the last KV event batch "
+                               "when applied.", ["replica"], registry=r)  # fmt: skip
         self.ttfb = Histogram("router:time_to_first_byte_seconds", "From the request's arrival "
                               "at the router to the replica's first byte.", ["replica"],
                               buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
@@ -61,7 +69,8 @@ class RouterMetrics:
                                         buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
 
     def remove_replica(self, url: str) -> None:
-        for gauge in (self.index_blocks, self.healthy, self.in_flight, self.prefill_s_per_token):
+        for gauge in (self.index_blocks, self.healthy, self.in_flight, self.prefill_s_per_token,
+                      self.event_lag):  # fmt: skip
             with contextlib.suppress(KeyError):
                 gauge.remove(url)
 

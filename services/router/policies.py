@@ -12,6 +12,8 @@ hash the prompt first.
 - ``prefix_approx``: the replica believed to hold the longest leading run of the prompt's
   blocks (``ApproxPrefixIndex``); ties (a prefix nobody holds) go to the fewest in flight.
   Pure affinity: it ignores load, which is what ``cost`` adds.
+- ``prefix_precise``: the same rule over the blocks the replicas report holding
+  (``PreciseIndex``, from their KV events).
 - ``cost`` (the default): the least estimated time to first token,
 
       ttft(r) = s(r) * (queued(r) + prompt - cached(r) * block_size)
@@ -25,7 +27,7 @@ hash the prompt first.
   router's streaming requests not yet past their first byte, of the requests it sent since
   the replica's last load reading, and ``vllm:num_requests_waiting`` beyond those, at the
   mean uncached size of the router's requests. ``cached(r)``: leading blocks the replica
-  holds (the prefix index). Equal estimates (within 1 ms) go to the fewest in flight.
+  holds (its KV events where it publishes them, the router's own record elsewhere). Equal estimates (within 1 ms) go to the fewest in flight.
 
   One formula weighs affinity against load: a replica holding the prefix wins until its
   queue costs more than computing the prefix elsewhere; then the next request goes to a
@@ -38,10 +40,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
+from services.router.kv_events import PreciseIndex
 from services.router.prefix_index import ApproxPrefixIndex
 from services.router.replicas import Replica
 from services.scheduler.block_hash import BlockHash
@@ -74,15 +77,42 @@ class Decision:
     predicted_ttft_s: float | None = None
 
 
+class CacheIndex(Protocol):
+    def matched_blocks(
+        self, hashes: Sequence[BlockHash], replicas: Iterable[str]
+    ) -> dict[str, int]: ...
+
+
+class CombinedIndex:
+    """The replicas' KV events where they publish them, the router's own record elsewhere."""
+
+    def __init__(self, precise: PreciseIndex, approx: ApproxPrefixIndex) -> None:
+        self.precise, self.approx = precise, approx
+
+    def matched_blocks(
+        self, hashes: Sequence[BlockHash], replicas: Iterable[str]
+    ) -> dict[str, int]:
+        urls = list(replicas)
+        followed = [u for u in urls if self.precise.has(u)]
+        out = self.approx.matched_blocks(hashes, [u for u in urls if u not in followed])
+        out.update(self.precise.matched_blocks(hashes, followed))
+        return out
+
+
 class Policy:
     """Chooses among healthy replicas (never an empty list)."""
 
     name: ClassVar[str]
     needs_prompt: ClassVar[bool] = False
 
-    def __init__(self, index: ApproxPrefixIndex, rng: random.Random | None = None) -> None:
+    def __init__(self, index: CacheIndex, rng: random.Random | None = None) -> None:
         self.index = index
         self.rng = rng or random.Random()
+
+    @classmethod
+    def index_for(cls, precise: PreciseIndex, approx: ApproxPrefixIndex) -> CacheIndex:
+        """The cache view this policy scores with."""
+        return CombinedIndex(precise, approx)
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
         raise NotImplementedError
@@ -102,7 +132,7 @@ class RandomPolicy(Policy):
 class RoundRobinPolicy(Policy):
     name = "round_robin"
 
-    def __init__(self, index: ApproxPrefixIndex, rng: random.Random | None = None) -> None:
+    def __init__(self, index: CacheIndex, rng: random.Random | None = None) -> None:
         super().__init__(index, rng)
         self._counter = itertools.count()
 
@@ -129,6 +159,10 @@ class PrefixApproxPolicy(Policy):
     name = "prefix_approx"
     needs_prompt = True
 
+    @classmethod
+    def index_for(cls, precise: PreciseIndex, approx: ApproxPrefixIndex) -> CacheIndex:
+        return approx
+
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
         best = max(matched.values())
@@ -136,11 +170,22 @@ class PrefixApproxPolicy(Policy):
         return Decision(self.least_busy(holders), cached_blocks=best)
 
 
+class PrefixPrecisePolicy(PrefixApproxPolicy):
+    """``prefix_approx``'s rule over the blocks the replicas report holding (KV events);
+    a replica that publishes none scores 0."""
+
+    name = "prefix_precise"
+
+    @classmethod
+    def index_for(cls, precise: PreciseIndex, approx: ApproxPrefixIndex) -> CacheIndex:
+        return precise
+
+
 class CostPolicy(Policy):
     name = "cost"
     needs_prompt = True
 
-    def __init__(self, index: ApproxPrefixIndex, rng: random.Random | None = None) -> None:
+    def __init__(self, index: CacheIndex, rng: random.Random | None = None) -> None:
         super().__init__(index, rng)
         self.mean_uncached = 0.0  # running mean of the uncached tokens of routed requests
         self._routed = 0
@@ -175,5 +220,12 @@ class CostPolicy(Policy):
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p
-    for p in (RandomPolicy, RoundRobinPolicy, SessionPolicy, PrefixApproxPolicy, CostPolicy)
+    for p in (
+        RandomPolicy,
+        RoundRobinPolicy,
+        SessionPolicy,
+        PrefixApproxPolicy,
+        PrefixPrecisePolicy,
+        CostPolicy,
+    )  # fmt: skip
 }

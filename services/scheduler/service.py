@@ -27,7 +27,6 @@ from services.protocol import (
     EngineState,
     FinishRequest,
     KVCacheEvent,
-    KVEventBatch,
     RequestTokens,
     StepPlan,
     TokenBatch,
@@ -35,6 +34,7 @@ from services.protocol import (
 )
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import MultiprocExecutor
+from services.scheduler.kv_events import KVEventPublisher
 
 logger = init_logger(__name__)
 
@@ -68,9 +68,12 @@ class EngineCoreProc:
         self._early_aborts: dict[str, None] = {}
         self._detok = PushSocket[TokenBatch](ep.detok_tokens, TokenBatch)
         self._kv_events = (
-            PubSocket[KVEventBatch](ep.kv_events, KVEventBatch, bind=True) if ep.kv_events else None
+            KVEventPublisher(
+                ep.kv_events, ep.kv_events_replay, ep.kv_events_topic, ep.kv_events_buffer_steps
+            )
+            if ep.kv_events
+            else None
         )
-        self._kv_event_seq = 0
         # With data parallelism the tokenizers route by each engine's load and cached blocks.
         self._state = (
             PubSocket[EngineState](ep.engine_state, EngineState, bind=True)
@@ -181,8 +184,7 @@ class EngineCoreProc:
         engine's state to the tokenizers whenever its load or its cache changed."""
         dp_rank = self.dp_rank if self._state is not None else None
         if self._kv_events is not None and events:
-            self._kv_events.send(KVEventBatch(clock.wall(), events, self._kv_event_seq, dp_rank))
-            self._kv_event_seq += 1
+            self._kv_events.publish(clock.wall(), events, dp_rank)
         if self._state is not None:
             sched = self.scheduler
             load = (len(sched.waiting), len(sched.running))
@@ -197,7 +199,13 @@ def run_scheduler(config: ServeConfig, control_endpoint: str, dp_rank: int = 0) 
     core = EngineCoreProc(config, dp_rank)
     core.wait_ready()
     freeze_gc()
-    report_ready(control_endpoint, "scheduler", engine=dp_rank)
+    kv = core._kv_events
+    report_ready(
+        control_endpoint,
+        "scheduler",
+        engine=dp_rank,
+        kv_events=(kv.bound, kv.bound_replay) if kv is not None else ("", ""),
+    )
     core.run_forever()
 
 

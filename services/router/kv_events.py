@@ -1,0 +1,365 @@
+"""``prefix_precise``: the blocks each replica really holds, from its KV events.
+
+Each replica's engine cores publish their prefix cache's changes in vLLM's wire format
+(``services/scheduler/kv_events.py``; vLLM's ``--kv-events-config`` does the same): a ZMQ
+PUB message ``(topic, seq, payload)`` per batch, and a ROUTER socket that replays buffered
+batches from a sequence number. The router subscribes to each and keeps, per engine core,
+the count of cached blocks per hash (``PreciseIndex``).
+
+Where the anchors lose track, this keeps the index correct:
+
+- **a gap** in sequence numbers (a dropped message, or the first messages lost while a
+  subscription propagates) is filled by a replay from the first missing number; if the
+  publisher no longer has them (or has no replay socket), that engine's entries are dropped
+  and rebuilt from what it still has: the index may then miss blocks, never invent them;
+- **a publisher restart** (its connection drops, or its numbers go back) clears the engine's
+  entries and replays the new process's history from 0;
+- ``AllBlocksCleared`` clears the engine's entries.
+
+Both encodings vLLM has used are read: array-like structs (``[ts, events, dp_rank]``,
+events ``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, ...]``; ours)
+and maps (``{"ts": ..., "events": [{"type": "BlockStored", ...}]}``, vLLM since late 2026).
+Only the engine's own pool counts (medium ``GPU`` or none): other tiers are another index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.scheduler.block_hash import BlockHash
+
+log = logging.getLogger("actorserve.router")
+
+END_SEQ = -1
+_DEVICE_MEDIA = (None, "GPU", "gpu")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+)
+
+
+@dataclass
+class DecodedBatch:
+    ts: float
+    events: list[KVCacheEvent]
+    data_parallel_rank: int | None = None
+
+
+def _event(raw: Any) -> KVCacheEvent | None:
+    """One event from either encoding; None for a kind this router does not know."""
+    tag: Any
+    fields: dict[str, Any]
+    if isinstance(raw, list | tuple):
+        if not raw or not isinstance(raw[0], str):
+            raise ValueError("an array-encoded event starts with its tag")
+        tag, values = raw[0], list(raw[1:])
+        if tag == "BlockStored":
+            fields = dict(zip(_STORED_FIELDS, values, strict=False))
+        elif tag == "BlockRemoved":
+            fields = dict(zip(("block_hashes", "medium"), values, strict=False))
+        else:
+            fields = {}
+    elif isinstance(raw, dict):
+        tag, fields = raw.get("type"), raw
+    else:
+        raise ValueError(f"an event is an array or a map, not {type(raw).__name__}")
+    if tag == "BlockStored":
+        return BlockStored(
+            block_hashes=list(fields["block_hashes"]),
+            parent_block_hash=fields.get("parent_block_hash"),
+            token_ids=list(fields.get("token_ids") or []),
+            block_size=int(fields.get("block_size") or 0),
+            lora_id=fields.get("lora_id"),
+            medium=fields.get("medium"),
+        )
+    if tag == "BlockRemoved":
+        return BlockRemoved(block_hashes=list(fields["block_hashes"]), medium=fields.get("medium"))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """A ``KVEventBatch`` payload (msgpack) in either of vLLM's encodings."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not msgpack: {e}") from None
+    if isinstance(raw, list | tuple) and len(raw) >= 2:
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict) and "events" in raw:
+        ts, events, rank = raw.get("ts", 0.0), raw["events"], raw.get("data_parallel_rank")
+    else:
+        raise ValueError("not a KV event batch")
+    try:
+        decoded = [e for e in (_event(x) for x in events) if e is not None]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"malformed event: {e}") from None
+    return DecodedBatch(float(ts), decoded, rank)
+
+
+Source = tuple[str, int]  # (replica URL, data-parallel rank)
+
+
+class PreciseIndex:
+    """Per engine core of each replica, how many cached blocks carry each hash."""
+
+    def __init__(self) -> None:
+        self._held: dict[Source, Counter[BlockHash]] = {}
+
+    def apply(self, source: Source, events: Iterable[KVCacheEvent]) -> None:
+        held = self._held.setdefault(source, Counter())
+        for event in events:
+            if isinstance(event, BlockStored):
+                if event.medium in _DEVICE_MEDIA:
+                    held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                if event.medium in _DEVICE_MEDIA:
+                    for h in event.block_hashes:
+                        if held[h] > 1:
+                            held[h] -= 1
+                        else:
+                            held.pop(h, None)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+
+    def clear(self, source: Source) -> None:
+        self._held.pop(source, None)
+
+    def forget(self, replica: str) -> None:
+        for source in [s for s in self._held if s[0] == replica]:
+            del self._held[source]
+
+    def holds(self, source: Source, h: BlockHash) -> bool:
+        return h in self._held.get(source, ())
+
+    def matched_blocks(
+        self, hashes: Sequence[BlockHash], replicas: Iterable[str]
+    ) -> dict[str, int]:
+        """For each replica, the longest leading run of ``hashes`` one of its engines holds."""
+        wanted = set(replicas)
+        out = dict.fromkeys(wanted, 0)
+        for (replica, _), held in self._held.items():
+            if replica not in wanted:
+                continue
+            n = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+            out[replica] = max(out[replica], n)
+        return out
+
+    def size(self, replica: str) -> int:
+        return sum(len(held) for (r, _), held in self._held.items() if r == replica)
+
+    def has(self, replica: str) -> bool:
+        return any(r == replica for r, _ in self._held)
+
+
+@dataclass
+class Publisher:
+    """Where one engine core publishes (from the replica's ``GET /kv_events``, or a flag)."""
+
+    endpoint: str
+    replay_endpoint: str = ""
+    topic: str = ""
+    data_parallel_rank: int = 0
+
+
+@dataclass
+class SubscriptionStats:
+    batches: int = 0
+    replays: int = 0
+    resyncs: Counter[str] = field(default_factory=Counter)
+    last_lag_s: float = 0.0
+
+
+class Subscription:
+    """Follows one engine core's events into the index; ``run()`` until cancelled."""
+
+    def __init__(
+        self,
+        replica: str,
+        publisher: Publisher,
+        index: PreciseIndex,
+        ctx: zmq.asyncio.Context,
+        on_batch: Any = None,
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        self.replica, self.publisher, self.index, self.ctx = replica, publisher, index, ctx
+        self.source: Source = (replica, publisher.data_parallel_rank)
+        self.stats = SubscriptionStats()
+        self.last = -1  # the last sequence number applied
+        self._duplicates_possible = False  # after a replay, live batches it already covered
+        self._on_batch = on_batch
+        self.replay_timeout_s = replay_timeout_s
+        self.synced = asyncio.Event()  # set once the first resync finished
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.publisher.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.publisher.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        disconnected = False
+        try:
+            await self.resync("start")
+            self.synced.set()
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        disconnected = True
+                    elif event["event"] == zmq.EVENT_CONNECTED and disconnected:
+                        disconnected = False  # the publisher came back: a new process
+                        await self.resync("reconnected")
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    if len(frames) == 3 and len(frames[1]) == 8:
+                        await self.on_message(int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def on_message(self, seq: int, payload: bytes) -> None:
+        if seq <= self.last:
+            if self._duplicates_possible:
+                return  # a replay already applied it
+            await self.resync("sequence went back")  # a restarted publisher
+            if seq <= self.last:
+                return
+        elif seq > self.last + 1:
+            await self.catch_up(self.last + 1)
+            if seq <= self.last:
+                return
+            if seq > self.last + 1:  # the publisher no longer has what was missed
+                await self.resync("gap not replayable")
+                if seq <= self.last:
+                    return
+        self._duplicates_possible = False
+        self.apply(seq, payload)
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except ValueError as e:
+            log.warning("KV event batch %d from %s ignored: %s", seq, self.replica, e)
+            batch = DecodedBatch(time.time(), [])
+        self.index.apply(self.source, batch.events)
+        self.last = seq
+        self.stats.batches += 1
+        self.stats.last_lag_s = max(time.time() - batch.ts, 0.0) if batch.ts else 0.0
+        if self._on_batch is not None:
+            self._on_batch(self, batch)
+
+    async def catch_up(self, start: int) -> None:
+        """Apply the publisher's buffered batches from ``start`` that follow ``last``."""
+        for seq, payload in await self.replay(start):
+            if seq == self.last + 1:
+                self.apply(seq, payload)
+        self._duplicates_possible = True
+
+    async def resync(self, reason: str) -> None:
+        """Forget this engine's blocks and rebuild them from everything it still buffers."""
+        if reason != "start":
+            log.info("KV events of %s (engine %d): resync (%s)", self.replica,
+                     self.publisher.data_parallel_rank, reason)  # fmt: skip
+            self.stats.resyncs[reason] += 1
+        self.index.clear(self.source)
+        self.index.apply(self.source, [])
+        self.last = -1
+        batches = await self.replay(0)
+        if batches:
+            self.last = batches[0][0] - 1  # the oldest it kept: what came before is gone
+        for seq, payload in batches:
+            if seq == self.last + 1:
+                self.apply(seq, payload)
+        self._duplicates_possible = True
+
+    async def replay(self, start: int) -> list[tuple[int, bytes]]:
+        if not self.publisher.replay_endpoint:
+            return []
+        self.stats.replays += 1
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.publisher.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            deadline = time.monotonic() + self.replay_timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(int(left * 1000)):
+                    log.warning("KV event replay from %s timed out", self.publisher.replay_endpoint)
+                    return out
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == END_SEQ:
+                    return out
+                out.append((seq, frames[2]))
+        finally:
+            sock.close(linger=0)
+
+
+class EventFollower:
+    """Every replica's subscriptions; ``follow(replica, publishers)`` starts them."""
+
+    def __init__(self, index: PreciseIndex, on_batch: Any = None) -> None:
+        self.index = index
+        self.ctx = zmq.asyncio.Context()
+        self._subs: dict[str, list[tuple[Subscription, asyncio.Task[None]]]] = {}
+        self._on_batch = on_batch
+
+    def subscriptions(self, replica: str) -> list[Subscription]:
+        return [s for s, _ in self._subs.get(replica, [])]
+
+    async def follow(self, replica: str, publishers: list[Publisher]) -> list[Subscription]:
+        await self.stop(replica)
+        subs = []
+        for p in publishers:
+            sub = Subscription(replica, p, self.index, self.ctx, self._on_batch)
+            task = asyncio.create_task(sub.run())
+            subs.append((sub, task))
+        self._subs[replica] = subs
+        for sub, task in subs:  # the first replay, so the index is filled when this returns
+            done = asyncio.ensure_future(sub.synced.wait())
+            await asyncio.wait({done, task}, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+            done.cancel()
+        return [s for s, _ in subs]
+
+    async def stop(self, replica: str) -> None:
+        for _, task in self._subs.pop(replica, []):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await task
+        self.index.forget(replica)
+
+    async def close(self) -> None:
+        for replica in list(self._subs):
+            await self.stop(replica)
+        self.ctx.term()
