@@ -180,14 +180,21 @@ class FakePublisher:
 class Harness:
     """A subscription in an asyncio loop of its own; ``until(cond)`` serves replays meanwhile."""
 
-    def __init__(self, pub: FakePublisher, port: int, replay_port: int | None) -> None:
+    def __init__(self, replay: bool) -> None:
         import zmq.asyncio
 
-        self.pub, self.index = pub, PreciseIndex()
+        self.zctx = zmq.Context()
+        self.port, self.replay_port = free_port(), (free_port() if replay else None)
+        self.pub = self.new_publisher()
+        self.index = PreciseIndex()
         self.ctx = zmq.asyncio.Context()
-        replay = f"tcp://127.0.0.1:{replay_port}" if replay_port else ""
-        self.sub = Subscription("r", Publisher(f"tcp://127.0.0.1:{port}", replay, "kv@r@m"),
+        where = f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port else ""
+        self.sub = Subscription("r", Publisher(f"tcp://127.0.0.1:{self.port}", where, "kv@r@m"),
                                 self.index, self.ctx)  # fmt: skip
+
+    def new_publisher(self) -> FakePublisher:
+        """A publisher process on the harness's ports (again, after ``pub.close()``)."""
+        return FakePublisher(self.zctx, self.port, self.replay_port)
 
     async def until(self, cond: Any, timeout_s: float = 5.0) -> None:
         loop = asyncio.get_running_loop()
@@ -201,11 +208,12 @@ class Harness:
         return [self.index.holds(("r", 0), h) for h in hashes]
 
 
-def _run(body: Any, replay: bool = True) -> None:
-    ctx = zmq.Context()
-    port, replay_port = free_port(), (free_port() if replay else None)
-    pub = FakePublisher(ctx, port, replay_port)
-    harness = Harness(pub, port, replay_port)
+def _run(body: Any, replay: bool = True, before: Any = None) -> None:
+    """``before(publisher)`` runs before the subscription exists, ``body(harness)`` after
+    it has synced and reached the publisher."""
+    harness = Harness(replay)
+    if before is not None:
+        before(harness.pub)
 
     async def main() -> None:
         task = asyncio.create_task(harness.sub.run())
@@ -223,7 +231,7 @@ def _run(body: Any, replay: bool = True) -> None:
     finally:
         harness.pub.close()
         harness.ctx.term()
-        ctx.term()
+        harness.zctx.term()
 
 
 def test_a_dropped_batch_is_replayed() -> None:
@@ -240,27 +248,14 @@ def test_a_dropped_batch_is_replayed() -> None:
 
 
 def test_history_before_the_router_started_comes_from_the_replay() -> None:
-    ctx = zmq.Context()
-    port, replay_port = free_port(), free_port()
-    pub = FakePublisher(ctx, port, replay_port)
-    pub.send(BlockStored([1, 2], None, [], 4))  # nobody listens yet
-    pub.send(BlockRemoved([2]))
-    harness = Harness(pub, port, replay_port)
+    def before(pub: FakePublisher) -> None:  # nobody listens yet
+        pub.send(BlockStored([1, 2], None, [], 4))
+        pub.send(BlockRemoved([2]))
 
-    async def main() -> None:
-        task = asyncio.create_task(harness.sub.run())
-        await harness.until(harness.sub.synced.is_set)
-        assert harness.held(1, 2) == [True, False] and harness.sub.last == 1
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    async def body(h: Harness) -> None:
+        assert h.held(1, 2) == [True, False] and h.sub.last == 1
 
-    try:
-        asyncio.run(main())
-    finally:
-        pub.close()
-        harness.ctx.term()
-        ctx.term()
+    _run(body, before=before)
 
 
 def test_a_gap_the_publisher_cannot_replay_forgets_rather_than_guesses() -> None:
@@ -277,37 +272,21 @@ def test_a_gap_the_publisher_cannot_replay_forgets_rather_than_guesses() -> None
 
 
 def test_a_restarted_publisher_replaces_the_index() -> None:
-    ctx = zmq.Context()
-    port, replay_port = free_port(), free_port()
-    pub = FakePublisher(ctx, port, replay_port)
-    harness = Harness(pub, port, replay_port)
-
-    async def main() -> None:
-        task = asyncio.create_task(harness.sub.run())
-        await harness.until(harness.sub.synced.is_set)
+    async def body(h: Harness) -> None:
+        for n in range(5):
+            h.pub.send(BlockStored([n], None, [], 4))
+        await h.until(lambda: h.sub.last == 4)
+        h.pub.close()  # the replica dies; a new process binds the same ports, numbers from 0
         await asyncio.sleep(0.3)
-        for h in range(5):
-            pub.send(BlockStored([h], None, [], 4))
-        await harness.until(lambda: harness.sub.last == 4)
-        pub.close()  # the replica dies; a new process binds the same ports, numbers from 0
-        await asyncio.sleep(0.3)
-        harness.pub = new = FakePublisher(ctx, port, replay_port)
-        new.send(BlockStored([100], None, [], 4))
-        await harness.until(lambda: harness.held(100) == [True], timeout_s=10)
-        assert harness.held(0, 1, 4) == [False] * 3
-        assert sum(harness.sub.stats.resyncs.values()) >= 1
-        new.send(BlockStored([101], 100, [], 4))
-        await harness.until(lambda: harness.held(101) == [True])
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        h.pub = h.new_publisher()
+        h.pub.send(BlockStored([100], None, [], 4))
+        await h.until(lambda: h.held(100) == [True], timeout_s=10)
+        assert h.held(0, 1, 4) == [False] * 3
+        assert sum(h.sub.stats.resyncs.values()) >= 1
+        h.pub.send(BlockStored([101], 100, [], 4))
+        await h.until(lambda: h.held(101) == [True])
 
-    try:
-        asyncio.run(main())
-    finally:
-        harness.pub.close()
-        harness.ctx.term()
-        ctx.term()
+    _run(body)
 
 
 def test_all_blocks_cleared_empties_the_engines_entries() -> None:
