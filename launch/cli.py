@@ -247,6 +247,12 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
         help="where a replica that does not report it (vLLM started with --kv-events-config) "
         "publishes its KV events; ours report theirs at GET /kv_events",
     )
+    p.add_argument(
+        "--burst-window-ms",
+        type=float,
+        default=50.0,
+        help="policy burst: requests sharing a new prefix within this window go together",
+    )
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
     p.add_argument(
         "--load-interval-ms", type=float, default=100.0, help="how often the cost policy reads load"
@@ -292,6 +298,7 @@ def _run_router(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         session_header=args.session_header.lower(),
+        burst_window_ms=args.burst_window_ms,
         health_check_interval=args.health_check_interval,
         load_interval_ms=args.load_interval_ms,
         log_level=args.uvicorn_log_level,

@@ -7,6 +7,8 @@ block hashes are the engine's: predicted hits = measured hits) is in test_router
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import random
 import time
@@ -365,3 +367,51 @@ def test_prefix_approx_returns_a_prefix_to_its_replica(replicas, router_for) -> 
     predicted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("router:predicted_cached_tokens_total"))  # fmt: skip
     assert predicted == 6 * 2 * (len(word_ids(prefixes[0])) // 4) * 4  # rounds 2 and 3 hit
+
+
+def test_burst_groups_a_new_prefix_on_one_replica_behind_its_leader() -> None:
+    from services.router.policies import BurstPolicy
+
+    async def scenario() -> None:
+        a, b = _replicas(2)
+        policy = BurstPolicy(ApproxPrefixIndex(), random.Random(0))
+        policy.window_s = 0.2
+        leader = _req(4)
+        d = policy.choose(leader, [a, b])
+        assert d.cached_blocks == 0 and leader.leads is not None
+        d.replica.in_flight += 5  # busy: without the burst rule the next would go elsewhere
+        follower = _req(6)  # shares the leader's 4 blocks, then goes on
+        f = policy.choose(follower, [a, b])
+        assert f.replica is d.replica and f.cached_blocks == 4
+        other = _req(4, first=50)  # another prefix: its own leader, on the idle replica
+        assert policy.choose(other, [a, b]).replica is not d.replica
+        waiting = asyncio.create_task(policy.admit(follower, f))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # holds until the leader's prompt is computed
+        policy.first_byte(leader)
+        assert await waiting >= 0.04
+        await asyncio.sleep(0.25)  # the window closed: a late request is on its own
+        late = _req(4)
+        policy.choose(late, [a, b])
+        assert late.follows is None
+
+    asyncio.run(scenario())
+
+
+def test_burst_through_the_router(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("burst", burst_window_ms=500.0)
+    for r in replicas:
+        r.chunk_delay = 0.2  # the first byte comes after 0.2 s
+    prompt = " ".join(f"w{i}" for i in range(40))
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 2, "stream": True}
+
+    def one(_: int) -> int:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as r:
+            return sum(1 for line in r.iter_lines() if line.startswith("data:"))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(one, range(4))) == [3] * 4
+    assert sorted(_served_by(replicas)) == [0, 4]
+    metrics = httpx.get(router.url + "/metrics").text
+    waits = [ln for ln in metrics.splitlines() if ln.startswith("router:burst_wait_seconds_count")]
+    assert sum(float(ln.split()[-1]) for ln in waits) == 3

@@ -40,7 +40,7 @@ from services.router.kv_events import (
     Subscription,
 )
 from services.router.metrics import RouterMetrics
-from services.router.policies import POLICIES, Decision, Policy, RouteRequest
+from services.router.policies import POLICIES, BurstPolicy, Decision, Policy, RouteRequest
 from services.router.prefix_index import ApproxPrefixIndex
 from services.router.prompts import PromptTokenizer
 from services.router.replicas import CacheGeometry, Replica, ReplicaSet, normalize_url
@@ -66,6 +66,7 @@ class RouterConfig:
     block_size: int | None = None  # None: the replicas' (vllm:cache_config_info)
     prefix_caching_hash_algo: str | None = None
     session_header: str = "x-session-id"
+    burst_window_ms: float = 50.0
     health_check_interval: float = 2.0
     load_interval_ms: float = 100.0
     max_body_bytes: int = 64 << 20
@@ -106,6 +107,8 @@ class Router:
         policy_cls = POLICIES[self.config.policy]
         view = policy_cls.index_for(self.precise, self.index)
         self.policy: Policy = policy_cls(view, random.Random(self.config.seed))
+        if isinstance(self.policy, BurstPolicy):
+            self.policy.window_s = self.config.burst_window_ms / 1000
         self.follower = EventFollower(self.precise, on_batch=self._on_events)
         self.refused: dict[str, str] = {}  # replica -> why it is kept out
         self._publishers: dict[str, list[Publisher]] = {}
@@ -267,11 +270,11 @@ class Router:
             self.metrics.predicted_ttft.labels(url).observe(d.predicted_ttft_s)
         return uncached
 
-    @staticmethod
-    def _first_byte(req: RouteRequest, r: Replica, uncached: int) -> None:
+    def _first_byte(self, req: RouteRequest, r: Replica, uncached: int) -> None:
         if req.stream:
             r.pending -= 1
             r.pending_tokens -= uncached
+        self.policy.first_byte(req)
 
     async def generate(self, request: Request, path: str) -> Response:
         arrived = time.perf_counter()
@@ -297,17 +300,27 @@ class Router:
                 return error_response(503, message, "ServiceUnavailableError")
             decision = self.policy.choose(req, candidates)
             replica = decision.replica
+            waited = await self.policy.admit(req, decision)
+            if waited:
+                self.metrics.burst_wait.labels(replica.url).observe(waited)
             uncached = self._sent(req, decision)
             try:
                 return await self._open(
                     request, path, raw, headers, req, replica, uncached, arrived
                 )
             except _Upstream as e:
+                self._undo(req, replica, uncached)
                 tried.add(replica.url)
-                self._first_byte(req, replica, uncached)
-                replica.in_flight -= 1
                 self.metrics.retries.labels(replica.url).inc()
                 log.warning("request moved off %s before its first byte: %s", replica.url, e)
+            except BaseException:  # cancelled (client gone) or a bug: book nothing
+                self._undo(req, replica, uncached)
+                raise
+
+    def _undo(self, req: RouteRequest, replica: Replica, uncached: int) -> None:
+        self._first_byte(req, replica, uncached)
+        replica.in_flight -= 1
+        self.policy.done(req)
 
     async def _open(self, request: Request, path: str, raw: bytes, headers: dict[str, str],
                     req: RouteRequest, replica: Replica, uncached: int, arrived: float) -> Response:  # fmt: skip
@@ -345,6 +358,7 @@ class Router:
             if not done:
                 done = True
                 replica.in_flight -= 1
+                self.policy.done(req)
                 await resp.aclose()
 
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")

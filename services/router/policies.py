@@ -14,6 +14,8 @@ hash the prompt first.
   Pure affinity: it ignores load, which is what ``cost`` adds.
 - ``prefix_precise``: the same rule over the blocks the replicas report holding
   (``PreciseIndex``, from their KV events).
+- ``burst``: prefix affinity, and requests that share a prefix nobody holds yet, arriving
+  within ``--burst-window-ms``, go to one replica and wait for the first one's prefill.
 - ``cost`` (the default): the least estimated time to first token,
 
       ttft(r) = s(r) * (queued(r) + prompt - cached(r) * block_size)
@@ -37,12 +39,15 @@ hash the prompt first.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import itertools
 import random
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from services.router.kv_events import PreciseIndex
 from services.router.prefix_index import ApproxPrefixIndex
@@ -62,6 +67,8 @@ class RouteRequest:
     prompt_tokens: int = 0
     block_size: int = 16
     stream: bool = True
+    follows: Any = None  # burst: the leader whose prefill this request waits for
+    leads: Any = None  # burst: this request computes a new prefix others may wait for
 
     @property
     def lookup(self) -> list[BlockHash]:
@@ -100,7 +107,11 @@ class CombinedIndex:
 
 
 class Policy:
-    """Chooses among healthy replicas (never an empty list)."""
+    """Chooses among healthy replicas (never an empty list).
+
+    The router calls ``choose``, then awaits ``admit`` (a policy may hold the request back:
+    ``burst``) and sends it; ``sent_first_byte`` when the replica's first byte arrived and
+    ``done`` when the request ended (either way)."""
 
     name: ClassVar[str]
     needs_prompt: ClassVar[bool] = False
@@ -116,6 +127,16 @@ class Policy:
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
         raise NotImplementedError
+
+    async def admit(self, req: RouteRequest, decision: Decision) -> float:
+        """Wait until the request may go; returns the seconds waited."""
+        return 0.0
+
+    def first_byte(self, req: RouteRequest) -> None:
+        pass
+
+    def done(self, req: RouteRequest) -> None:
+        pass
 
     def least_busy(self, replicas: Sequence[Replica]) -> Replica:
         fewest = min(r.in_flight for r in replicas)
@@ -181,6 +202,79 @@ class PrefixPrecisePolicy(PrefixApproxPolicy):
         return precise
 
 
+@dataclass
+class _Leader:
+    replica: Replica
+    hashes: list[BlockHash]
+    deadline: float  # monotonic: followers join until then
+    computed: asyncio.Event = field(default_factory=asyncio.Event)  # its first byte came
+
+
+class BurstPolicy(PrefixApproxPolicy):
+    """Prefix affinity (``cost``'s view of the caches), plus: a request whose prefix nobody
+    holds leads a burst; requests sharing at least one block of it that arrive within
+    ``--burst-window-ms`` go to the leader's replica and wait there for the leader's first
+    byte, when its prompt is cached, so that one replica computes the prefix once instead
+    of several computing it side by side. The wait is part of their TTFT
+    (``router:burst_wait_seconds``); it never exceeds ``MAX_WAIT_S``."""
+
+    name = "burst"
+    MAX_WAIT_S = 30.0
+
+    def __init__(self, index: CacheIndex, rng: random.Random | None = None) -> None:
+        super().__init__(index, rng)
+        self.window_s = 0.05
+        self._leaders: dict[BlockHash, _Leader] = {}
+
+    @classmethod
+    def index_for(cls, precise: PreciseIndex, approx: ApproxPrefixIndex) -> CacheIndex:
+        return CombinedIndex(precise, approx)
+
+    def _leader_for(self, req: RouteRequest, now: float) -> tuple[_Leader | None, int]:
+        found, shared = None, 0
+        for i, h in enumerate(req.lookup):
+            leader = self._leaders.get(h)
+            if leader is None:
+                break
+            if leader.deadline >= now:
+                found, shared = leader, i + 1
+        return found, shared
+
+    def _expire(self, now: float) -> None:
+        for h in [h for h, ld in self._leaders.items() if ld.deadline < now]:
+            del self._leaders[h]
+
+    def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
+        now = time.monotonic()
+        self._expire(now)
+        leader, shared = self._leader_for(req, now)
+        if leader is not None and leader.replica in replicas:
+            req.follows = leader
+            return Decision(leader.replica, cached_blocks=shared)
+        decision = super().choose(req, replicas)
+        if decision.cached_blocks == 0 and req.lookup:
+            req.leads = _Leader(decision.replica, req.lookup, now + self.window_s)
+            for h in req.lookup:
+                self._leaders.setdefault(h, req.leads)
+        return decision
+
+    async def admit(self, req: RouteRequest, decision: Decision) -> float:
+        leader = req.follows
+        if leader is None or leader.computed.is_set():
+            return 0.0
+        start = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(leader.computed.wait(), self.MAX_WAIT_S)
+        return time.monotonic() - start
+
+    def first_byte(self, req: RouteRequest) -> None:
+        if req.leads is not None:
+            req.leads.computed.set()
+
+    def done(self, req: RouteRequest) -> None:
+        self.first_byte(req)  # a failed leader releases its followers
+
+
 class CostPolicy(Policy):
     name = "cost"
     needs_prompt = True
@@ -226,6 +320,7 @@ POLICIES: dict[str, type[Policy]] = {
         SessionPolicy,
         PrefixApproxPolicy,
         PrefixPrecisePolicy,
+        BurstPolicy,
         CostPolicy,
     )  # fmt: skip
 }
