@@ -44,11 +44,8 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,41 +54,19 @@ import httpx
 import psutil
 
 from bench.metrics import parse_prometheus
+from bench.procs import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "out"
 MODEL = "llama-3-8b"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class SimServer:
-    """A simulated server on a free port; ``close()`` ends its process group."""
+class SimServer(ServerProcess):
+    """A simulated H200 serving Llama-3-8B on a free port; ``close()`` ends its group."""
 
     def __init__(self, *args: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="scale-", suffix=".log", delete=False)  # noqa: SIM115
-        cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", str(self.port),
-               "--worker-backend", "sim", "--sim-model", MODEL, "--sim-hardware", "h200",
-               *args]  # fmt: skip
-        self.popen = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-
-    def wait_ready(self, timeout_s: float = 240) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError("server did not start")
+        super().__init__("--worker-backend", "sim", "--sim-model", MODEL, "--sim-hardware", "h200",
+                         *args)  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         """Samples summed over label sets, and the device's by state (``name|busy``)."""
@@ -112,16 +87,6 @@ class SimServer:
                 if os.getpgid(p.pid) == self.popen.pid and role in " ".join(p.cmdline()):
                     return p
         raise LookupError(role)
-
-    def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(10)
-        os.unlink(self.log.name)
 
 
 async def closed_loop(url: str, clients: int, stop: asyncio.Event, max_tokens: int) -> None:

@@ -415,3 +415,24 @@ def test_burst_through_the_router(replicas, router_for) -> None:  # noqa: ANN001
     metrics = httpx.get(router.url + "/metrics").text
     waits = [ln for ln in metrics.splitlines() if ln.startswith("router:burst_wait_seconds_count")]
     assert sum(float(ln.split()[-1]) for ln in waits) == 3
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_replicas_that_hash_differently_are_refused() -> None:
+    a, b = FakeReplica("a", block_size=4), FakeReplica("b", block_size=8)
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            _router([a.url, b.url], policy="prefix_approx")  # one index cannot serve both
+        router = _router([a.url], policy="prefix_approx", api_key="k")
+        try:
+            r = httpx.post(router.url + "/admin/backends", json={"url": b.url},
+                           headers={"authorization": "Bearer k"})  # fmt: skip
+            assert r.status_code == 400 and "blocks of 8 tokens" in r.json()["error"]["message"]
+            listed = httpx.get(router.url + "/admin/backends",
+                               headers={"authorization": "Bearer k"}).json()["backends"]  # fmt: skip
+            assert [x["url"] for x in listed] == [a.url]
+        finally:
+            router.stop()
+    finally:
+        a.stop()
+        b.stop()

@@ -458,7 +458,9 @@ def build_app(config: RouterConfig) -> FastAPI:
                 await router.add_replica(url)
             if router.refused:
                 # Started with replicas whose hashes differ: no index could serve them all.
-                raise RuntimeError("; ".join(f"{u}: {w}" for u, w in router.refused.items()))
+                why = "; ".join(f"{u}: {w}" for u, w in router.refused.items())
+                log.error("refusing to start: %s", why)
+                raise RuntimeError(why)
             yield
             await router.replicas.close()
             await router.follower.close()
