@@ -14,7 +14,8 @@ client, and the mean prompt tokens computed (``vllm:request_prefill_kv_computed_
 at once (``--concurrency``), so that pure affinity queues everything on the replica that
 holds it: ``cost`` against ``prefix_precise`` and ``round_robin`` on TTFT P95 and goodput
 (TTFT <= ``--slo-ttft-ms``). Each replica is pinned to its own core; ``--sim`` runs the same
-on simulated H200s (Llama-3-8B) instead, where the device, not this host, is the limit.
+on simulated H200s (Llama-3-8B) instead, at ``--sim-speed 4`` so that this host's CPUs
+(client, router, two servers) keep up; times are then simulated.
 
     .venv/bin/python -m bench.routing hot [--sim] [--concurrency 16] [--requests 96]
 
@@ -56,8 +57,8 @@ SIM_SERVER = ("--worker-backend", "sim", "--sim-model", "llama-3-8b", "--sim-har
               "--kv-events-endpoint", "auto", "--async-scheduling")  # fmt: skip
 
 
-def document(group: int, sentences: int = 90) -> str:
-    """A ~17-token sentence per line: 90 of them are ~1,500 tokens of the default tokenizer."""
+def document(group: int, sentences: int = 60) -> str:
+    """A ~25-token sentence per line: 60 of them are ~1,500 tokens of the default tokenizer."""
     return "\n".join(
         f"Section {group}.{i}: the committee reviewed item {i} of file {group} and found it in order."
         for i in range(sentences)
@@ -155,16 +156,17 @@ def seeds_policy(policy: str, groups: int, rounds: int, max_tokens: int) -> dict
 
 
 def hot_policy(policy: str, sim: bool, concurrency: int, requests: int, slo_ms: float,
-               max_tokens: int) -> dict[str, Any]:  # fmt: skip
-    """``requests`` questions on one shared prefix, ``concurrency`` at a time."""
-    server_args = SIM_SERVER if sim else SEEDS_SERVER
+               max_tokens: int, speed: float = 1.0) -> dict[str, Any]:  # fmt: skip
+    """``requests`` questions on one shared prefix, ``concurrency`` at a time; with ``sim``
+    at ``--sim-speed speed``, every time in simulated seconds."""
+    server_args = (*SIM_SERVER, "--sim-speed", str(speed)) if sim else SEEDS_SERVER
     pins: list[str | None] = [None] if sim else ["0", "1"]
     with (
         fleet(server_args, 2, pins) as servers,
         routed(servers, policy, "--tokenizer", "default") as router,
     ):
         model = _model(servers[0].url)
-        prefix = document(0, 60)
+        prefix = document(0)
         ttfts: list[float] = []
 
         async def run() -> float:
@@ -179,10 +181,11 @@ def hot_policy(policy: str, sim: bool, concurrency: int, requests: int, slo_ms: 
                 async def one(i: int) -> None:
                     async with sem:
                         q = f"{prefix}\nQuestion {i}: what did section 0.{i % 60} find?"
-                        ttfts.append(await stream_ttft(client, router.url, model, q, max_tokens))
+                        ttft = await stream_ttft(client, router.url, model, q, max_tokens)
+                        ttfts.append(ttft / speed)
 
                 await asyncio.gather(*(one(i) for i in range(requests)))
-                return time.perf_counter() - start
+                return (time.perf_counter() - start) / speed
 
         elapsed = asyncio.run(run())
         served = [s.metrics().get("vllm:request_success_total", 0.0) for s in servers]
@@ -225,7 +228,7 @@ class SglangRouter:
 
 
 def tenant_context(tenant: int) -> str:
-    return document(tenant, 360)  # ~6,000 tokens
+    return document(tenant, 240)  # ~6,000 tokens
 
 
 async def open_loop(url: str, model: str, rate: float, requests: int, speed: float,
@@ -238,7 +241,7 @@ async def open_loop(url: str, model: str, rate: float, requests: int, speed: flo
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
 
         async def one(i: int) -> None:
-            prompt = f"{salt}{tenant_context(int(who[i]))}\nQuery {i}: summarize section {i % 360}."
+            prompt = f"{salt}{tenant_context(int(who[i]))}\nQuery {i}: summarize section {i % 240}."
             ttfts.append(await stream_ttft(client, url, model, prompt, max_tokens) / speed)
 
         tasks = []
@@ -359,6 +362,7 @@ def main() -> int:
     h.add_argument("--requests", type=int, default=96)
     h.add_argument("--slo-ttft-ms", type=float, default=None, help="default 2000 (CPU), 200 (sim)")
     h.add_argument("--max-tokens", type=int, default=16)
+    h.add_argument("--sim-speed", type=float, default=4.0, help="with --sim")
     c = sub.add_parser("scale", help="8 simulated H200 replicas, 150 tenants, rising rates")
     c.add_argument("--policies", nargs="+",
                    default=["random", "prefix_approx", "prefix_precise", "cost"])  # fmt: skip
@@ -401,7 +405,8 @@ def main() -> int:
         print(f"{'policy':>15} {'TTFT p50':>9} {'TTFT p95':>9} {'goodput':>8} {'per replica':>12}",
               flush=True)  # fmt: skip
         for policy in args.policies:
-            r = hot_policy(policy, args.sim, args.concurrency, args.requests, slo, args.max_tokens)
+            r = hot_policy(policy, args.sim, args.concurrency, args.requests, slo, args.max_tokens,
+                           args.sim_speed if args.sim else 1.0)  # fmt: skip
             rows.append(r)
             print(f"{policy:>15} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p95_ms']:>7.0f}ms "
                   f"{r['goodput_req_s']:>8.2f} {r['served_per_replica']}", flush=True)  # fmt: skip

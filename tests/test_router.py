@@ -20,6 +20,8 @@ import pytest
 
 from services.router.app import RouterConfig, build_app
 from services.router.policies import (
+    DEFAULT_A_S,
+    DEFAULT_B_S,
     POLICIES,
     CostPolicy,
     PrefixApproxPolicy,
@@ -92,38 +94,51 @@ def test_prefix_approx_prefers_the_longest_leading_run() -> None:
 def test_cost_weighs_cache_against_queue_and_copies_a_hot_prefix() -> None:
     index = ApproxPrefixIndex()
     a, b = _replicas(2)
-    for r in (a, b):
-        r.prefill_s_per_token = 1e-3
+    for r in (a, b):  # the priors: one step 10 ms, 1 ms per prompt token
+        r.step_s, r.prefill_s_per_token = 0.01, 1e-3
     policy = CostPolicy(index, random.Random(0))
     index.record(a.url, list(range(10)))  # a holds 160 of the 200-token prompt
     d = policy.choose(_req(12, tail=8), [a, b])
     assert d.replica is a and d.cached_blocks == 10
-    assert d.predicted_ttft_s == pytest.approx(1e-3 * (200 - 160))
-    # a's queue (its streams not yet past their first byte) costs more than computing the
-    # whole prompt on b: b gets it, and from then on holds the prefix too.
+    assert d.predicted_ttft_s == pytest.approx(0.01 + 1e-3 * 40)
+    # a's queue of long prompts costs more than computing the whole prompt on b
     a.pending, a.pending_tokens = 4, 400
     d = policy.choose(_req(12, tail=8), [a, b])
-    assert d.replica is b and d.predicted_ttft_s == pytest.approx(0.2)
-    index.record(b.url, list(range(12)))
-    b.pending, b.pending_tokens = 1, 40
-    assert policy.choose(_req(12, tail=8), [a, b]).replica is b  # 40 + 8 beats 400 + 40
-    # A replica measured slower per token loses the tie it would otherwise win.
-    b.pending = b.pending_tokens = a.pending = a.pending_tokens = 0
-    a.prefill_s_per_token = 5e-3
-    assert policy.choose(_req(10, first=500), [a, b]).replica is b
-    # Waiting requests the router did not send count at the mean uncached size.
-    a.prefill_s_per_token = 1e-3
+    assert d.replica is b and d.predicted_ttft_s == pytest.approx(0.01 + 0.2)
+    # A queue of short (cached) requests: a is still the cheapest, 0.08 s against 0.21 s ...
+    a.pending, a.pending_tokens = 3, 0
+    assert policy.choose(_req(12, tail=8), [a, b]).replica is a
+    # ... until the wait there (a * n = 0.1 s) exceeds the copy's extra cost (0.21 - 0.15):
+    # the ski-rental rule sends this one to b, which then holds the prefix too.
+    a.pending = 10
+    req = _req(12, tail=8)
+    assert policy.estimate(req, a, 10, [a, b]) < policy.estimate(req, b, 0, [a, b])
+    d = policy.choose(req, [a, b])
+    assert d.replica is b and d.cached_blocks == 0 and policy.copies == 1
+    # Waiting requests the router did not send count too, at the mean uncached size.
+    a.pending = 0
     b.waiting = 50
-    assert policy.queued_tokens(b) == pytest.approx(50 * policy.mean_uncached)
+    assert policy.ahead(b) == (50, pytest.approx(50 * policy.mean_uncached))
     assert policy.choose(_req(10, first=900), [a, b]).replica is a
 
 
-def test_cost_uses_the_fleet_mean_until_a_replica_has_measured() -> None:
+def test_cost_learns_each_replicas_latency_from_its_first_bytes() -> None:
     a, b = _replicas(2)
-    a.prefill_s_per_token = 2e-3
+    a.step_s, a.prefill_s_per_token = 0.05, 2e-3  # priors
     policy = CostPolicy(ApproxPrefixIndex())
-    assert policy.prefill_s_per_token(b, [a, b]) == 2e-3
-    assert policy.prefill_s_per_token(b, [b]) == pytest.approx(1e-3)
+    assert policy.coefficients(a, [a, b]) == (0.05, 2e-3)
+    assert policy.coefficients(b, [a, b]) == (0.05, 2e-3)  # the fleet's until b has its own
+    assert policy.coefficients(b, [b]) == (DEFAULT_A_S, DEFAULT_B_S)
+    rng = random.Random(1)
+    for _ in range(40):  # b really costs 20 ms a request and 0.5 ms a token
+        b.pending, b.pending_tokens = rng.randrange(8), rng.randrange(3000)
+        req = _req(rng.randrange(1, 100))
+        policy.choose(req, [b])
+        assert req.features is not None
+        _, x1, x2 = req.features
+        policy.first_byte(req, 0.02 * x1 + 5e-4 * x2)
+    a_s, b_s = policy.coefficients(b, [a, b])
+    assert a_s == pytest.approx(0.02, rel=0.05) and b_s == pytest.approx(5e-4, rel=0.05)
 
 
 def test_approx_index_is_an_lru_of_the_replicas_size() -> None:

@@ -3,12 +3,11 @@
 Decoding one token id alone is wrong for two reasons: a byte-level BPE token
 can hold part of a multi-byte UTF-8 character (decoding it alone gives U+FFFD),
 and some decoders depend on context (SentencePiece's Metaspace drops the
-leading space of the first token it sees). So, as vLLM's
-``detokenize_incrementally`` and HF TGI do, we keep two offsets into the token
-ids: ``prefix_offset`` .. ``read_offset`` is a short window of tokens already
-emitted, decoded again as context; the text that decoding
-``ids[prefix_offset:]`` adds beyond the window is the new text, emitted once it
-no longer ends in U+FFFD (an incomplete character).
+leading space of the first token it sees). The tokenizers library's
+``DecodeStream`` handles both in Rust, one call per token (as vLLM's
+``FastIncrementalDetokenizer``): it keeps a short window of ids already shown
+as context and returns the text a new id adds once it is complete. Primed with
+a few prompt tokens, the first output token decodes as it would after the prompt.
 """
 
 from __future__ import annotations
@@ -16,9 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
-# vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens used as context.
+# vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens used as context, more
+# (up to 24) when a shorter suffix starts inside a multi-byte character.
 _PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -63,11 +65,12 @@ class IncrementalDetokenizer:
         self._stop_buffer = (
             max(len(s) for s in self._stop) - 1 if self._stop and not self._include_stop else 0
         )
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        context = self._context(prompt_token_ids)
         self._ids: list[int] = context
-        self._prefix_offset = 0
-        self._read_offset = len(context)
         self._num_context = len(context)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in context:
+            self._step(token_id)
         self.output_text = ""
         self.stop_matched: str | None = None
         self._emitted = 0  # chars of output_text already returned
@@ -84,19 +87,33 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _decode_pending(self, *, final: bool) -> str:
-        """Text of the tokens past ``read_offset``, or "" while it ends mid-character."""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or (
-            new_text.endswith(_REPLACEMENT_CHAR) and not final
-        ):
-            # Nothing new yet (a skipped special token or an incomplete character).
-            if final:
-                self._prefix_offset = self._read_offset = len(self._ids)
+    def _context(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt's last few tokens, taken so that they start on a character boundary."""
+        for n in range(_PROMPT_CONTEXT_TOKENS, min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+            suffix = list(prompt[-n:])
+            if _REPLACEMENT_CHAR not in self._decode(suffix):
+                return suffix
+        return list(prompt[-_PROMPT_CONTEXT_TOKENS:])
+
+    def _step(self, token_id: int) -> str:
+        """The text ``token_id`` completes ("" while a character is incomplete)."""
+        try:
+            return self._stream.step(self._tokenizer, token_id) or ""
+        except Exception:  # the library refuses a prefix it decodes inconsistently: restart
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return self._stream.step(self._tokenizer, token_id) or ""
+
+    def _held_at_finish(self) -> str:
+        """At finish: what the stream still holds (the bytes of an incomplete character),
+        shown as decoding the whole output shows it (U+FFFD)."""
+        if not self.num_output_tokens:
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text) :]
+        full, text = self._decode(self.output_token_ids), self.output_text
+        if full.startswith(text):
+            return full[len(text) :]
+        if text.startswith(" ") and full.startswith(text[1:]):  # SentencePiece's first space
+            return full[len(text) - 1 :]
+        return ""
 
     def update(self, new_token_ids: Iterable[int], *, stop_terminated: bool = False) -> str:
         if self._finished:
@@ -107,7 +124,7 @@ class IncrementalDetokenizer:
         check_from = len(self.output_text)
         for token_id in new_ids:
             self._ids.append(token_id)
-            self.output_text += self._decode_pending(final=False)
+            self.output_text += self._step(token_id)
             if self.num_output_tokens <= self._min_tokens:
                 check_from = len(self.output_text)
         if self._stop and self._check_stop(check_from):
@@ -119,7 +136,7 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         check_from = len(self.output_text)
-        self.output_text += self._decode_pending(final=True)
+        self.output_text += self._held_at_finish()
         if self._stop and self.num_output_tokens > self._min_tokens:
             self._check_stop(check_from)
         return self._take(final=True)

@@ -40,7 +40,14 @@ from services.router.kv_events import (
     Subscription,
 )
 from services.router.metrics import RouterMetrics
-from services.router.policies import POLICIES, BurstPolicy, Decision, Policy, RouteRequest
+from services.router.policies import (
+    POLICIES,
+    BurstPolicy,
+    CostPolicy,
+    Decision,
+    Policy,
+    RouteRequest,
+)
 from services.router.prefix_index import ApproxPrefixIndex
 from services.router.prompts import PromptTokenizer
 from services.router.replicas import CacheGeometry, Replica, ReplicaSet, normalize_url
@@ -270,11 +277,13 @@ class Router:
             self.metrics.predicted_ttft.labels(url).observe(d.predicted_ttft_s)
         return uncached
 
-    def _first_byte(self, req: RouteRequest, r: Replica, uncached: int) -> None:
+    def _first_byte(
+        self, req: RouteRequest, r: Replica, uncached: int, ttfb_s: float | None = None
+    ) -> None:
         if req.stream:
             r.pending -= 1
             r.pending_tokens -= uncached
-        self.policy.first_byte(req)
+        self.policy.first_byte(req, ttfb_s)
 
     async def generate(self, request: Request, path: str) -> Response:
         arrived = time.perf_counter()
@@ -325,6 +334,7 @@ class Router:
     async def _open(self, request: Request, path: str, raw: bytes, headers: dict[str, str],
                     req: RouteRequest, replica: Replica, uncached: int, arrived: float) -> Response:  # fmt: skip
         """Send to ``replica`` and wait for its first byte; then commit to it."""
+        sent = time.perf_counter()
         upstream = self.client.build_request(
             "POST", replica.url + path, content=raw, headers=headers
         )
@@ -349,8 +359,9 @@ class Router:
         except _Upstream:
             await resp.aclose()
             raise
-        self._first_byte(req, replica, uncached)
-        self.metrics.ttfb.labels(replica.url).observe(time.perf_counter() - arrived)
+        now = time.perf_counter()
+        self._first_byte(req, replica, uncached, now - sent)
+        self.metrics.ttfb.labels(replica.url).observe(now - arrived)
         done = False
 
         async def finish() -> None:
@@ -416,6 +427,8 @@ class Router:
                 "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
                 "running": r.running, "waiting": r.waiting, "kv_cache_usage": r.kv_usage,
                 "prefill_seconds_per_token": r.prefill_s_per_token,
+                "step_seconds": r.step_s,
+                "ttft_model": self._ttft_model(r),
                 "index_blocks": self.index.size(r.url),
                 "precise_index_blocks": self.precise.size(r.url),
                 "kv_events": self.event_stats(r.url),
@@ -425,7 +438,17 @@ class Router:
             })  # fmt: skip
         return out
 
+    def _ttft_model(self, r: Replica) -> dict[str, float] | None:
+        if not isinstance(self.policy, CostPolicy):
+            return None
+        a, b = self.policy.coefficients(r, self.replicas.healthy() or [r])
+        model = self.policy.models.get(r.url)
+        return {"seconds_per_request": a, "seconds_per_token": b,
+                "samples": model.samples if model else 0}  # fmt: skip
+
     def refresh_gauges(self) -> None:
+        if isinstance(self.policy, CostPolicy):
+            self.metrics.hot_copies.set(self.policy.copies)
         for r in self.replicas.replicas.values():
             followed = self.precise.has(r.url)
             size = self.precise.size(r.url) if followed else self.index.size(r.url)

@@ -12,6 +12,7 @@
   (gap not replayable, sequence went back, reconnected), ``router:kv_event_lag_seconds``;
 - ``router:index_blocks{replica}`` (the KV events' index where the replica publishes), ``router:replica_healthy{replica}``,
   ``router:replica_in_flight{replica}``, ``router:replica_prefill_seconds_per_token{replica}``;
+- ``router:hot_prefix_copies``: requests ``cost`` sent to copy a hot prefix;
 - ``router:burst_wait_seconds{replica}``: what burst followers waited for their leader;
 - ``router:time_to_first_byte_seconds{replica}`` (measured at the router, waits included) and
   ``router:predicted_ttft_seconds{replica}`` (the ``cost`` policy's estimate).
@@ -65,6 +66,8 @@ class RouterMetrics:
         self.burst_wait = Histogram("router:burst_wait_seconds", "Time a burst follower "
                                     "waited for its leader's prefill.", ["replica"],
                                     buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.hot_copies = Gauge("router:hot_prefix_copies", "Requests the cost policy sent "
+                                "away from a prefix's holder to copy it.", registry=r)  # fmt: skip
         self.ttfb = Histogram("router:time_to_first_byte_seconds", "From the request's arrival "
                               "at the router to the replica's first byte.", ["replica"],
                               buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip

@@ -16,25 +16,39 @@ hash the prompt first.
   (``PreciseIndex``, from their KV events).
 - ``burst``: prefix affinity, and requests that share a prefix nobody holds yet, arriving
   within ``--burst-window-ms``, go to one replica and wait for the first one's prefill.
-- ``cost`` (the default): the least estimated time to first token,
+- ``cost`` (the default): the least estimated time to first token (TTFT). For replica r
+  and a request whose prompt has ``u(r)`` tokens r does not hold:
 
-      ttft(r) = s(r) * (queued(r) + prompt - cached(r) * block_size)
+      ttft(r) = a(r) * (1 + n(r)) + b(r) * (t(r) + u(r))
 
-  ``s(r)``: the replica's measured prefill seconds per computed token (the increments of
-  ``vllm:request_prefill_time_seconds_sum`` over ``vllm:request_prefill_kv_computed_tokens_sum``
-  between two readings, averaged with weight 0.3), the fleet's mean until it has one, and
-  ``DEFAULT_PREFILL_S_PER_TOKEN`` before any replica has one. It includes what slows a
-  prefill on that replica on average (decode rows sharing its steps, chunking).
-  ``queued(r)``: prompt tokens ahead of the request there: the uncached tokens of the
-  router's streaming requests not yet past their first byte, of the requests it sent since
-  the replica's last load reading, and ``vllm:num_requests_waiting`` beyond those, at the
-  mean uncached size of the router's requests. ``cached(r)``: leading blocks the replica
-  holds (its KV events where it publishes them, the router's own record elsewhere). Equal estimates (within 1 ms) go to the fewest in flight.
+  ``n(r)``: requests ahead of it there that have not produced their first token (the
+  router's streaming requests not yet past their first byte, those it sent since the last
+  load reading, and ``vllm:num_requests_waiting`` beyond those); ``t(r)``: the prompt
+  tokens they still have to compute (theirs as the router estimated them; the mean uncached
+  size of the router's requests for the others). ``a(r)``: seconds each request costs
+  whatever its length (a step's share: scheduling, the decode rows it runs beside,
+  attending to its cached context); ``b(r)``: seconds per computed prompt token.
 
-  One formula weighs affinity against load: a replica holding the prefix wins until its
-  queue costs more than computing the prefix elsewhere; then the next request goes to a
-  second replica, which computes the prefix once and from then on shares that prefix's
-  traffic (a hot prefix is copied deliberately instead of piling up or scattering).
+  ``a`` and ``b`` are measured per replica: recursive least squares over the router's own
+  streaming requests (features ``1 + n`` and ``t + u`` when sent, the time to first byte
+  when it came; forgetting factor ``FORGET`` = 0.95, so about the last 20 requests count),
+  clamped at >= 0. Until a replica has ``MIN_SAMPLES`` of them the prior is used: ``a`` =
+  its mean inter-token latency (one step, from ``vllm:inter_token_latency_seconds``), ``b``
+  = its prefill seconds per computed token (``vllm:request_prefill_time_seconds_sum`` over
+  ``vllm:request_prefill_kv_computed_tokens_sum``); for a replica with neither yet, the
+  fleet's mean, else ``DEFAULT_A_S`` and ``DEFAULT_B_S``. Non-streaming requests are routed
+  the same way but teach the model nothing (their first byte is their last).
+  ``cached(r)``: leading blocks the replica holds (its KV events where it publishes them,
+  the router's own record elsewhere). Estimates within 1 ms of the best go to the fewest
+  in flight.
+
+  One formula weighs affinity against load. On top, a hot prefix is copied deliberately:
+  when the cheapest replica holds the prompt's prefix and its queueing part ``a * n``
+  already exceeds what sending the request to the best replica without it would cost
+  extra (``ttft(other) - ttft(holder)``), the request goes there: it pays once for the copy
+  that every later request sharing the prefix then splits over two replicas. It is the
+  ski-rental rule (rent until the rent paid equals the price, then buy), which never pays
+  more than twice the best choice in hindsight; the constant is 1 for that reason.
 """
 
 from __future__ import annotations
@@ -54,7 +68,10 @@ from services.router.prefix_index import ApproxPrefixIndex
 from services.router.replicas import Replica
 from services.scheduler.block_hash import BlockHash
 
-DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # before any replica measured one (a CPU's order)
+DEFAULT_A_S = 0.01  # seconds per request ahead, before any replica was measured
+DEFAULT_B_S = 1e-3  # seconds per prompt token to compute (a CPU's order)
+FORGET = 0.95
+MIN_SAMPLES = 4
 _TIE_S = 1e-3
 
 
@@ -69,6 +86,7 @@ class RouteRequest:
     stream: bool = True
     follows: Any = None  # burst: the leader whose prefill this request waits for
     leads: Any = None  # burst: this request computes a new prefix others may wait for
+    features: tuple[str, float, float] | None = None  # cost: (replica, 1 + n, t + u) when sent
 
     @property
     def lookup(self) -> list[BlockHash]:
@@ -132,8 +150,8 @@ class Policy:
         """Wait until the request may go; returns the seconds waited."""
         return 0.0
 
-    def first_byte(self, req: RouteRequest) -> None:
-        pass
+    def first_byte(self, req: RouteRequest, ttfb_s: float | None = None) -> None:
+        """The replica's first byte came ``ttfb_s`` after the request was sent (None: failed)."""
 
     def done(self, req: RouteRequest) -> None:
         pass
@@ -267,12 +285,37 @@ class BurstPolicy(PrefixApproxPolicy):
             await asyncio.wait_for(leader.computed.wait(), self.MAX_WAIT_S)
         return time.monotonic() - start
 
-    def first_byte(self, req: RouteRequest) -> None:
+    def first_byte(self, req: RouteRequest, ttfb_s: float | None = None) -> None:
         if req.leads is not None:
             req.leads.computed.set()
 
     def done(self, req: RouteRequest) -> None:
         self.first_byte(req)  # a failed leader releases its followers
+
+
+class LatencyModel:
+    """``ttft = a * x1 + b * x2`` fitted by recursive least squares with forgetting."""
+
+    def __init__(self) -> None:
+        self.theta = [0.0, 0.0]
+        self.p = [[1e3, 0.0], [0.0, 1e-1]]  # weak start: the prior is used until MIN_SAMPLES
+        self.samples = 0
+
+    def update(self, x1: float, x2: float, y: float) -> None:
+        (p11, p12), (p21, p22) = self.p
+        px = [p11 * x1 + p12 * x2, p21 * x1 + p22 * x2]
+        denom = FORGET + x1 * px[0] + x2 * px[1]
+        k = [px[0] / denom, px[1] / denom]
+        err = y - (self.theta[0] * x1 + self.theta[1] * x2)
+        self.theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err]
+        xp = [x1 * p11 + x2 * p21, x1 * p12 + x2 * p22]  # x^T P
+        self.p = [[(p11 - k[0] * xp[0]) / FORGET, (p12 - k[0] * xp[1]) / FORGET],
+                  [(p21 - k[1] * xp[0]) / FORGET, (p22 - k[1] * xp[1]) / FORGET]]  # fmt: skip
+        self.samples += 1
+
+    @property
+    def ab(self) -> tuple[float, float]:
+        return max(self.theta[0], 0.0), max(self.theta[1], 0.0)
 
 
 class CostPolicy(Policy):
@@ -283,33 +326,77 @@ class CostPolicy(Policy):
         super().__init__(index, rng)
         self.mean_uncached = 0.0  # running mean of the uncached tokens of routed requests
         self._routed = 0
+        self.models: dict[str, LatencyModel] = {}
+        self.copies = 0
 
-    def prefill_s_per_token(self, replica: Replica, replicas: Sequence[Replica]) -> float:
-        if replica.prefill_s_per_token is not None:
-            return replica.prefill_s_per_token
-        known = [r.prefill_s_per_token for r in replicas if r.prefill_s_per_token is not None]
-        return sum(known) / len(known) if known else DEFAULT_PREFILL_S_PER_TOKEN
+    def coefficients(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float]:
+        """``(a, b)`` for ``r``: fitted, else its prior, else the fleet's, else the defaults."""
+        model = self.models.get(r.url)
+        if model is not None and model.samples >= MIN_SAMPLES:
+            return model.ab
 
-    def queued_tokens(self, r: Replica) -> float:
+        def prior(x: Replica) -> tuple[float | None, float | None]:
+            return x.step_s, x.prefill_s_per_token
+
+        a, b = prior(r)
+        if a is None or b is None:
+            fleet = [prior(x) for x in replicas]
+            a_known = [v for v, _ in fleet if v is not None]
+            b_known = [v for _, v in fleet if v is not None]
+            a = a if a is not None else (sum(a_known) / len(a_known) if a_known else DEFAULT_A_S)
+            b = b if b is not None else (sum(b_known) / len(b_known) if b_known else DEFAULT_B_S)
+        return a, b
+
+    def ahead(self, r: Replica) -> tuple[float, float]:
+        """Requests ahead without a first token, and the prompt tokens they still compute."""
         ours = r.pending + r.unseen
         others = max(0.0, r.waiting - ours)
-        return r.pending_tokens + r.unseen_tokens + others * self.mean_uncached
+        return ours + others, r.pending_tokens + r.unseen_tokens + others * self.mean_uncached
+
+    def features(self, req: RouteRequest, r: Replica, cached: int) -> tuple[float, float]:
+        n, t = self.ahead(r)
+        return 1.0 + n, t + max(req.prompt_tokens - cached * req.block_size, 1)
 
     def estimate(
         self, req: RouteRequest, r: Replica, cached: int, replicas: Sequence[Replica]
     ) -> float:
-        uncached = max(req.prompt_tokens - cached * req.block_size, 1)
-        return self.prefill_s_per_token(r, replicas) * (self.queued_tokens(r) + uncached)
+        a, b = self.coefficients(r, replicas)
+        x1, x2 = self.features(req, r, cached)
+        return a * x1 + b * x2
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
         costs = {r.url: self.estimate(req, r, matched[r.url], replicas) for r in replicas}
         best = min(costs.values())
         chosen = self.least_busy([r for r in replicas if costs[r.url] <= best + _TIE_S])
+        if matched[chosen.url]:
+            chosen = self._copy_if_hot(chosen, matched, costs, replicas)
         uncached = max(req.prompt_tokens - matched[chosen.url] * req.block_size, 0)
         self._routed += 1
         self.mean_uncached += (uncached - self.mean_uncached) / min(self._routed, 100)
+        req.features = (chosen.url, *self.features(req, chosen, matched[chosen.url]))
         return Decision(chosen, matched[chosen.url], costs[chosen.url])
+
+    def _copy_if_hot(self, holder: Replica, matched: dict[str, int], costs: dict[str, float],
+                     replicas: Sequence[Replica]) -> Replica:  # fmt: skip
+        """The ski-rental rule: once the wait at the holder exceeds the copy's extra cost,
+        send this request to the best replica without the prefix."""
+        others = [r for r in replicas if matched[r.url] < matched[holder.url]]
+        if not others:
+            return holder
+        other = min(others, key=lambda r: costs[r.url])
+        a, _ = self.coefficients(holder, replicas)
+        n, _ = self.ahead(holder)
+        if a * n >= costs[other.url] - costs[holder.url]:
+            self.copies += 1
+            return other
+        return holder
+
+    def first_byte(self, req: RouteRequest, ttfb_s: float | None = None) -> None:
+        if ttfb_s is None or not req.stream or req.features is None:
+            return
+        url, x1, x2 = req.features
+        self.models.setdefault(url, LatencyModel()).update(x1, x2, ttfb_s)
 
 
 POLICIES: dict[str, type[Policy]] = {

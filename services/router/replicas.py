@@ -38,6 +38,8 @@ _LOAD_SAMPLES = {
     "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens",
     "vllm:prefix_cache_hits_total": "cache_hits",
     "vllm:prefix_cache_queries_total": "cache_queries",
+    "vllm:inter_token_latency_seconds_sum": "itl_seconds",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
 }
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -108,6 +110,7 @@ class Replica:
     load_at: float = 0.0
     # Measured prefill seconds per computed token (None until it computed a prompt).
     prefill_s_per_token: float | None = None
+    step_s: float | None = None  # measured mean inter-token latency: one step at its load
     _sums: dict[str, float] = field(default_factory=dict)
     failures: int = 0
     admitted: bool = True  # False: its block hashes differ from the router's, kept out
@@ -120,7 +123,8 @@ class Replica:
         self.load_at = now
         self.unseen = self.unseen_tokens = 0
         deltas: dict[str, float] = {}
-        for key in ("prefill_seconds", "prefill_tokens", "cache_hits", "cache_queries"):
+        for key in ("prefill_seconds", "prefill_tokens", "cache_hits", "cache_queries",
+                    "itl_seconds", "itl_count"):  # fmt: skip
             if key in sample:
                 before = self._sums.get(key)
                 # A counter going back is a restarted replica: count from its new zero.
@@ -134,6 +138,9 @@ class Replica:
             prev = self.prefill_s_per_token
             # An exponential average over readings: one odd batch does not swing routing.
             self.prefill_s_per_token = measured if prev is None else 0.7 * prev + 0.3 * measured
+        if deltas.get("itl_count", 0.0) >= 8:
+            step = deltas["itl_seconds"] / deltas["itl_count"]
+            self.step_s = step if self.step_s is None else 0.7 * self.step_s + 0.3 * step
         return deltas
 
 
