@@ -2,11 +2,12 @@
 
 ``seeds``: the seeds' experiment on this machine. Two fresh replicas of the default model
 (each pinned to one core, 256 MiB of KV: about four 1,500-token prefixes), a router per
-policy, concurrency 1: ten groups, each sending "its ~1,500-token prefix + question r" for
-three rounds, waiting for each answer (32 tokens). Per policy: how many requests went to
-the replica that served their group's first request (n/30), the prefix-token hit rate (the
-replicas' ``vllm:prefix_cache_hits`` / ``_queries`` increments), TTFT P50 and P95 at the
-client, and the mean prompt tokens computed (``vllm:request_prefill_kv_computed_tokens``).
+policy, concurrency 1: three rounds of ten groups, each group a new ~1,500-token prefix
+sent as "prefix + question 1", then, once answered (32 tokens), "prefix + question 2".
+Over the 30 second requests, per policy: how many went to the replica that served their
+first (n/30), the prefix-token hit rate (the replicas' ``vllm:prefix_cache_hits`` /
+``_queries`` increments), TTFT P50 and P95 at the client, and the mean prompt tokens
+computed (``vllm:request_prefill_kv_computed_tokens``).
 
     .venv/bin/python -m bench.routing seeds [--policies random prefix_approx prefix_precise cost]
 
@@ -117,41 +118,49 @@ def _model(url: str) -> str:
 
 
 def seeds_policy(policy: str, groups: int, rounds: int, max_tokens: int) -> dict[str, Any]:
+    """As the seeds: per round and group a new prefix; "prefix + question 1", wait, then
+    "prefix + question 2", the one measured (its replica, TTFT and the replicas' counter
+    increments around it)."""
+    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+             "vllm:request_prefill_kv_computed_tokens_sum")  # fmt: skip
     with fleet(SEEDS_SERVER, 2, ["0", "1"]) as servers, routed(servers, policy) as router:
         model = _model(servers[0].url)
-        names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                 "vllm:request_prefill_kv_computed_tokens_sum")  # fmt: skip
-        before = {n: _sum(servers, n) for n in names}
+        measured = dict.fromkeys(names, 0.0)
         ttfts, returned = [], 0
+
+        def successes() -> list[float]:
+            return [s.metrics().get("vllm:request_success_total", 0.0) for s in servers]
+
+        async def ask(client: httpx.AsyncClient, g: int, q: int) -> tuple[int, float]:
+            """Which replica served it, and its TTFT."""
+            before = successes()
+            prompt = f"{document(g)}\nQuestion {q}: what did section {g}.{q} find?"
+            ttft = await stream_ttft(client, router.url, model, prompt, max_tokens)
+            return int(np.argmax(np.subtract(successes(), before))), ttft
 
         async def run() -> None:
             nonlocal returned
             async with httpx.AsyncClient(timeout=600) as client:
-                for g in range(groups):
-                    first = None
-                    for r in range(rounds):
-                        done = [s.metrics().get("vllm:request_success_total", 0.0) for s in servers]
-                        prompt = f"{document(g)}\nQuestion {r}: what did section {g}.{r} find?"
-                        ttfts.append(
-                            await stream_ttft(client, router.url, model, prompt, max_tokens)
-                        )
-                        after = [
-                            s.metrics().get("vllm:request_success_total", 0.0) for s in servers
-                        ]
-                        served = int(np.argmax(np.subtract(after, done)))
-                        first = served if first is None else first
-                        returned += served == first
-                    print(f"  {policy}: group {g + 1}/{groups} done", flush=True)
+                for r in range(rounds):
+                    for g in range(groups):
+                        group = r * groups + g  # a new prefix every time
+                        first, _ = await ask(client, group, 1)
+                        before = {n: _sum(servers, n) for n in names}
+                        second, ttft = await ask(client, group, 2)
+                        for n in names:
+                            measured[n] += _sum(servers, n) - before[n]
+                        ttfts.append(ttft)
+                        returned += second == first
+                    print(f"  {policy}: round {r + 1}/{rounds} done", flush=True)
 
         asyncio.run(run())
-        delta = {n: _sum(servers, n) - before[n] for n in names}
     n = groups * rounds
     return {
         "policy": policy, "requests": n, "returned": returned,
-        "hit_rate": delta[names[0]] / max(delta[names[1]], 1.0),
+        "hit_rate": measured[names[0]] / max(measured[names[1]], 1.0),
         "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
         "ttft_p95_ms": 1e3 * float(np.percentile(ttfts, 95)),
-        "prefill_tokens_per_request": delta[names[2]] / n,
+        "prefill_tokens_per_request": measured[names[2]] / n,
     }  # fmt: skip
 
 
@@ -352,7 +361,7 @@ def main() -> int:
     s = sub.add_parser("seeds", help="the seeds' table: affinity at concurrency 1")
     s.add_argument("--policies", nargs="+",
                    default=["random", "prefix_approx", "prefix_precise", "cost"])  # fmt: skip
-    s.add_argument("--groups", type=int, default=10)
+    s.add_argument("--groups", type=int, default=10, help="per round")
     s.add_argument("--rounds", type=int, default=3)
     s.add_argument("--max-tokens", type=int, default=32)
     h = sub.add_parser("hot", help="one hot prefix under load: cost against pure affinity")

@@ -179,12 +179,16 @@ def test_metrics_page_parsing() -> None:
 
 def test_replica_measures_prefill_time_per_token_and_survives_a_restart() -> None:
     r = Replica("http://r")
-    r.update_load({"prefill_seconds": 1.0, "prefill_tokens": 1000.0}, 0.0)
+    r.update_load({"prefill_seconds": 1.0, "prefill_tokens": 1000.0, "prefill_count": 1}, 0.0)
     assert r.prefill_s_per_token is None  # the first reading is only a baseline
-    r.update_load({"prefill_seconds": 1.5, "prefill_tokens": 2000.0}, 0.1)
+    r.update_load({"prefill_seconds": 1.5, "prefill_tokens": 2000.0, "prefill_count": 2}, 0.1)
     assert r.prefill_s_per_token == pytest.approx(5e-4)
-    deltas = r.update_load({"prefill_seconds": 0.1, "prefill_tokens": 100.0}, 0.2)  # restarted
+    deltas = r.update_load({"prefill_seconds": 0.1, "prefill_tokens": 100.0, "prefill_count": 1},
+                           0.2)  # restarted  # fmt: skip
     assert deltas["prefill_tokens"] == 0.0 and r.prefill_s_per_token == pytest.approx(5e-4)
+    # Twenty cached prompts of 10 tokens at 0.2 s each: a step's time, not 20 ms a token.
+    r.update_load({"prefill_seconds": 4.1, "prefill_tokens": 300.0, "prefill_count": 21}, 0.3)
+    assert r.prefill_s_per_token == pytest.approx(5e-4)
 
 
 # ---- the router in front of scriptable replicas

@@ -32,11 +32,15 @@ hash the prompt first.
   ``a`` and ``b`` are measured per replica: recursive least squares over the router's own
   streaming requests (features ``1 + n`` and ``t + u`` when sent, the time to first byte
   when it came; forgetting factor ``FORGET`` = 0.95, so about the last 20 requests count),
-  clamped at >= 0. Until a replica has ``MIN_SAMPLES`` of them the prior is used: ``a`` =
-  its mean inter-token latency (one step, from ``vllm:inter_token_latency_seconds``), ``b``
-  = its prefill seconds per computed token (``vllm:request_prefill_time_seconds_sum`` over
-  ``vllm:request_prefill_kv_computed_tokens_sum``); for a replica with neither yet, the
-  fleet's mean, else ``DEFAULT_A_S`` and ``DEFAULT_B_S``. Non-streaming requests are routed
+  clamped at >= 0, started at the prior (so that ``b`` stays there while every prompt is
+  cached and says nothing about it). Until a replica has ``MIN_SAMPLES`` of them the prior
+  is used: ``a`` = its mean inter-token latency (one step, from
+  ``vllm:inter_token_latency_seconds``), ``b`` = its prefill seconds per computed token
+  (``vllm:request_prefill_time_seconds_sum`` over ``_kv_computed_tokens_sum``, from readings
+  whose prompts averaged >= 128 computed tokens: a cached prompt's prefill is a step's
+  time, whatever its length); where a replica has not measured one yet, the fleet's mean
+  (of fitted models first: replicas of one fleet are alike), else ``DEFAULT_A_S`` and
+  ``DEFAULT_B_S``. Non-streaming requests are routed
   the same way but teach the model nothing (their first byte is their last).
   ``cached(r)``: leading blocks the replica holds (its KV events where it publishes them,
   the router's own record elsewhere). Estimates within 1 ms of the best go to the fewest
@@ -294,11 +298,15 @@ class BurstPolicy(PrefixApproxPolicy):
 
 
 class LatencyModel:
-    """``ttft = a * x1 + b * x2`` fitted by recursive least squares with forgetting."""
+    """``ttft = a * x1 + b * x2`` fitted by recursive least squares with forgetting, started
+    at the prior ``(a0, b0)``: a coefficient the requests do not inform (``b`` when every
+    prompt is cached) stays near its prior instead of absorbing the other's noise."""
 
-    def __init__(self) -> None:
-        self.theta = [0.0, 0.0]
-        self.p = [[1e3, 0.0], [0.0, 1e-1]]  # weak start: the prior is used until MIN_SAMPLES
+    def __init__(self, a0: float, b0: float) -> None:
+        self.theta = [a0, b0]
+        # Prior standard deviations of 30x the prior: the data decide within a few dozen
+        # requests, and a coefficient they leave unexcited stays near where it started.
+        self.p = [[(30 * max(a0, 1e-3)) ** 2, 0.0], [0.0, (30 * max(b0, 1e-6)) ** 2]]
         self.samples = 0
 
     def update(self, x1: float, x2: float, y: float) -> None:
@@ -328,23 +336,30 @@ class CostPolicy(Policy):
         self._routed = 0
         self.models: dict[str, LatencyModel] = {}
         self.copies = 0
+        self._seen: list[Replica] = []  # the replicas of the last choice (for priors)
 
     def coefficients(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float]:
-        """``(a, b)`` for ``r``: fitted, else its prior, else the fleet's, else the defaults."""
+        """``(a, b)`` for ``r``: fitted, else its prior."""
         model = self.models.get(r.url)
         if model is not None and model.samples >= MIN_SAMPLES:
             return model.ab
+        return self.prior(r, replicas)
 
-        def prior(x: Replica) -> tuple[float | None, float | None]:
-            return x.step_s, x.prefill_s_per_token
-
-        a, b = prior(r)
-        if a is None or b is None:
-            fleet = [prior(x) for x in replicas]
-            a_known = [v for v, _ in fleet if v is not None]
-            b_known = [v for _, v in fleet if v is not None]
-            a = a if a is not None else (sum(a_known) / len(a_known) if a_known else DEFAULT_A_S)
-            b = b if b is not None else (sum(b_known) / len(b_known) if b_known else DEFAULT_B_S)
+    def prior(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float]:
+        """Its own measurements (``step_s``, ``prefill_s_per_token``), else the fleet's mean
+        (fitted models first: replicas of one fleet are alike), else the defaults."""
+        fitted = [m.ab for m in self.models.values() if m.samples >= MIN_SAMPLES]
+        a_known = [a for a, _ in fitted] or [x.step_s for x in replicas if x.step_s is not None]
+        b_known = [b for _, b in fitted] or [
+            x.prefill_s_per_token for x in replicas if x.prefill_s_per_token is not None
+        ]
+        a = (
+            r.step_s
+            if r.step_s is not None
+            else (sum(a_known) / len(a_known) if a_known else DEFAULT_A_S)
+        )
+        b = (r.prefill_s_per_token if r.prefill_s_per_token is not None
+             else (sum(b_known) / len(b_known) if b_known else DEFAULT_B_S))  # fmt: skip
         return a, b
 
     def ahead(self, r: Replica) -> tuple[float, float]:
@@ -365,6 +380,7 @@ class CostPolicy(Policy):
         return a * x1 + b * x2
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
+        self._seen = list(replicas)
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
         costs = {r.url: self.estimate(req, r, matched[r.url], replicas) for r in replicas}
         best = min(costs.values())
@@ -396,7 +412,12 @@ class CostPolicy(Policy):
         if ttfb_s is None or not req.stream or req.features is None:
             return
         url, x1, x2 = req.features
-        self.models.setdefault(url, LatencyModel()).update(x1, x2, ttfb_s)
+        model = self.models.get(url)
+        if model is None:
+            replica = next((r for r in self._seen if r.url == url), None)
+            a0, b0 = self.prior(replica, self._seen) if replica else (DEFAULT_A_S, DEFAULT_B_S)
+            model = self.models[url] = LatencyModel(a0, b0)
+        model.update(x1, x2, ttfb_s)
 
 
 POLICIES: dict[str, type[Policy]] = {

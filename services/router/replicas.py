@@ -36,11 +36,13 @@ _LOAD_SAMPLES = {
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
     "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens",
+    "vllm:request_prefill_time_seconds_count": "prefill_count",
     "vllm:prefix_cache_hits_total": "cache_hits",
     "vllm:prefix_cache_queries_total": "cache_queries",
     "vllm:inter_token_latency_seconds_sum": "itl_seconds",
     "vllm:inter_token_latency_seconds_count": "itl_count",
 }
+LONG_PROMPT_TOKENS = 128  # computed prompt tokens per request for a per-token reading
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -123,7 +125,7 @@ class Replica:
         self.load_at = now
         self.unseen = self.unseen_tokens = 0
         deltas: dict[str, float] = {}
-        for key in ("prefill_seconds", "prefill_tokens", "cache_hits", "cache_queries",
+        for key in ("prefill_seconds", "prefill_tokens", "prefill_count", "cache_hits", "cache_queries",
                     "itl_seconds", "itl_count"):  # fmt: skip
             if key in sample:
                 before = self._sums.get(key)
@@ -133,7 +135,10 @@ class Replica:
                 )
                 self._sums[key] = sample[key]
         tokens, seconds = deltas.get("prefill_tokens", 0.0), deltas.get("prefill_seconds", 0.0)
-        if tokens >= 16 and seconds > 0:
+        count = deltas.get("prefill_count", 0.0)
+        # Only readings whose prompts were long on average: a short (cached) prompt's prefill
+        # time is a step's, whatever its length, and would read as seconds per token.
+        if tokens >= LONG_PROMPT_TOKENS * max(count, 1.0) and seconds > 0:
             measured = seconds / tokens
             prev = self.prefill_s_per_token
             # An exponential average over readings: one odd batch does not swing routing.
