@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -332,6 +333,8 @@ def test_admin_endpoint_adds_and_removes_backends(replicas) -> None:  # noqa: AN
         assert httpx.get(url, headers={"authorization": "Bearer nope"}).status_code == 401
         auth = {"authorization": "Bearer secret"}
         assert httpx.post(url, json={"nope": 1}, headers=auth).status_code == 400
+        for bad in ("ftp://x:1", "http://[::1", "http://127.0.0.1:99999"):
+            assert httpx.post(url, json={"url": bad}, headers=auth).status_code == 400
         r = httpx.post(url, json={"url": replicas[1].url + "/v1"}, headers=auth)
         assert r.json() == {"url": replicas[1].url, "healthy": True}
         listed = httpx.get(url, headers=auth).json()["backends"]
@@ -455,3 +458,55 @@ def test_replicas_that_hash_differently_are_refused() -> None:
     finally:
         a.stop()
         b.stop()
+
+
+def test_cost_model_stays_finite_when_requests_never_vary() -> None:
+    from services.router.policies import LatencyModel
+
+    model = LatencyModel(0.01, 1e-3)
+    for _ in range(30_000):  # one prompt length, an idle replica: x never changes
+        model.update(1.0, 200.0, 0.03)
+    a, b = model.ab
+    assert (
+        math.isfinite(a) and math.isfinite(b) and a * 1 + b * 200 == pytest.approx(0.03, rel=0.01)
+    )
+
+
+def test_vllm_cache_config_labels_and_unknown_hashes() -> None:
+    from services.router.replicas import CacheGeometry
+
+    g = CacheGeometry.from_labels({"block_size": "16", "num_gpu_blocks": "None",
+                                   "prefix_caching_hash_algo": "xxhash"})  # fmt: skip
+    assert (g.block_size, g.num_blocks, g.hash_algo) == (16, 0, "xxhash")
+    r = FakeReplica("x", hash_algo="xxhash")
+    try:
+        router = _router([r.url], policy="cost")  # starts; routes by load (no hasher)
+        try:
+            out = httpx.post(
+                router.url + "/v1/completions", json={"model": "fake", "prompt": "a b"}
+            )
+            assert out.status_code == 200
+        finally:
+            router.stop()
+    finally:
+        r.stop()
+
+
+def test_only_unavailable_answers_move_a_request(replicas, router_for) -> None:  # noqa: ANN001
+    router = router_for("round_robin")
+    replicas[0].fail_status = replicas[1].fail_status = 500  # the request's own failure
+    r = httpx.post(router.url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+    assert r.status_code == 500 and sum(_served_by(replicas)) == 1  # not sent everywhere
+    replicas[0].fail_status = replicas[1].fail_status = 503  # nobody can serve now
+    r = httpx.post(router.url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "down"  # the replica's own
+    assert sum(_served_by(replicas)) == 3
+
+
+def test_a_whole_answer_never_leads_a_burst() -> None:
+    from services.router.policies import BurstPolicy
+
+    policy = BurstPolicy(ApproxPrefixIndex(), random.Random(0))
+    whole = _req(4, stream=False)
+    policy.choose(whole, _replicas(2))
+    assert whole.leads is None  # its first byte is its last: followers would wait it out

@@ -336,3 +336,60 @@ def test_our_publisher_serves_vllm_frames_and_replays() -> None:
         sub.close(linger=0)
         pub.close()
         ctx.term()
+
+
+def test_vllms_int_hashes_meet_our_digests() -> None:
+    """vLLM publishes the low 64 bits of each digest as an int by default."""
+    digests = [bytes([i]) * 32 for i in range(1, 4)]
+    index = PreciseIndex()
+    index.apply(("v", 0), [BlockStored([int.from_bytes(d, "big") & ((1 << 64) - 1) for d in digests],
+                                       None, [], 4)])  # fmt: skip
+    assert index.matched_blocks(digests, ["v"]) == {"v": 3}
+    index.apply(("v", 0), [BlockRemoved([digests[1]])])  # and back: a digest removes the int
+    assert index.matched_blocks(digests, ["v"]) == {"v": 1}
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [None, []],
+        [1.0, [["BlockStored", [[1]], None, [], 4]]],
+        {"ts": 1.0, "events": [{"type": "BlockRemoved", "block_hashes": {"a": 1}}]},
+        [1.0, "events"],
+    ],  # fmt: skip
+)
+def test_malformed_batches_are_value_errors(batch: Any) -> None:
+    with pytest.raises(ValueError):
+        decode_batch(msgspec.msgpack.encode(batch))
+
+
+def test_a_long_history_replays_whole() -> None:
+    """More batches than zmq's default queue (1,000): the replay must bring them all, and
+    the index must hold exactly what the engine holds."""
+    pub = KVEventPublisher("auto", "auto")
+    n = 3000
+    for i in range(n):  # stores 0..1499, then removes them all but the last
+        h = (i % (n // 2)).to_bytes(32, "big")
+        pub.publish(1.0, [BlockStored([h], None, [], 4) if i < n // 2 else BlockRemoved([h])], 0)
+    pub.publish(1.0, [BlockStored([b"x" * 32], None, [], 4)], 0)
+
+    async def main() -> None:
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        index = PreciseIndex()
+        while len(pub._buffer) < n + 1:
+            await asyncio.sleep(0.01)
+        sub = Subscription("r", Publisher(pub.bound, pub.bound_replay), index, ctx)
+        task = asyncio.create_task(sub.run())
+        await asyncio.wait_for(sub.synced.wait(), 30)
+        assert sub.last == n and index.size("r") == 1 and index.holds(("r", 0), b"x" * 32)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ctx.term()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()

@@ -51,7 +51,7 @@ from services.router.policies import (
 from services.router.prefix_index import ApproxPrefixIndex
 from services.router.prompts import PromptTokenizer
 from services.router.replicas import CacheGeometry, Replica, ReplicaSet, normalize_url
-from services.scheduler.block_hash import BlockHasher
+from services.scheduler.block_hash import HASH_FUNCTIONS, BlockHasher
 
 log = logging.getLogger("actorserve.router")
 
@@ -94,7 +94,18 @@ def _sse_error(message: str) -> bytes:
 
 
 class _Upstream(Exception):
-    """The replica failed before the first byte: try another."""
+    """The replica failed before the first byte: try another. ``response``: its answer,
+    given to the client if no replica does better."""
+
+    def __init__(self, message: str, response: Response | None = None) -> None:
+        super().__init__(message)
+        self.response = response
+
+
+# Answers that say "not here, not now" (a replica starting, draining, overloaded or dead):
+# another replica may serve the request. A 500 is the request's own failure: passed on,
+# so that one bad request does not visit every replica.
+_RETRIED_STATUS = {502, 503, 504}
 
 
 @dataclass
@@ -136,7 +147,12 @@ class Router:
 
     def _adopt(self, geometry: CacheGeometry) -> None:
         self.geometry = geometry
-        self.hasher = BlockHasher(geometry.block_size, geometry.hash_algo)
+        if geometry.hash_algo in HASH_FUNCTIONS:
+            self.hasher = BlockHasher(geometry.block_size, geometry.hash_algo)
+        else:  # vLLM's xxhash, say: the router cannot hash as the replicas do
+            log.warning("the replicas hash blocks with %s, which the router does not know: "
+                        "routing by load only", geometry.hash_algo)  # fmt: skip
+            self.hasher = None
 
     def _on_geometry(self, replica: Replica) -> bool:
         g = replica.geometry
@@ -280,16 +296,32 @@ class Router:
     def _first_byte(
         self, req: RouteRequest, r: Replica, uncached: int, ttfb_s: float | None = None
     ) -> None:
+        req.first_byte_seen = True
         if req.stream:
             r.pending -= 1
             r.pending_tokens -= uncached
         self.policy.first_byte(req, ttfb_s)
 
+    async def _read_body(self, request: Request) -> bytes | Response:
+        """The body, or 413 as soon as it is known to exceed ``max_body_bytes``."""
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length", "")
+        too_large = error_response(413, f"Request body is larger than the limit of {limit} bytes.",
+                                   "RequestEntityTooLargeError")  # fmt: skip
+        if length.isdigit() and int(length) > limit:
+            return too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return too_large
+        return bytes(body)
+
     async def generate(self, request: Request, path: str) -> Response:
         arrived = time.perf_counter()
-        raw = await request.body()
-        if len(raw) > self.config.max_body_bytes:
-            return error_response(413, "Request body too large.", "RequestEntityTooLargeError")
+        raw = await self._read_body(request)
+        if isinstance(raw, Response):
+            return raw
         try:
             body = json.loads(raw)
         except ValueError:
@@ -299,11 +331,14 @@ class Router:
         req = await self.route_facts(_GENERATE_PATHS[path], body, request.headers)
         headers = _forward_headers(request)
         tried: set[str] = set()
+        last_error: _Upstream | None = None
         while True:
             candidates = [r for r in self.replicas.healthy() if r.url not in tried]
             if not candidates:
                 reason = "all_failed" if tried else "no_replica"
                 self.metrics.errors.labels(reason).inc()
+                if last_error is not None and last_error.response is not None:
+                    return last_error.response  # the last replica's own answer
                 message = ("every replica failed this request" if tried
                            else "no healthy replica to serve the request")  # fmt: skip
                 return error_response(503, message, "ServiceUnavailableError")
@@ -313,12 +348,14 @@ class Router:
             if waited:
                 self.metrics.burst_wait.labels(replica.url).observe(waited)
             uncached = self._sent(req, decision)
+            req.first_byte_seen = False
             try:
                 return await self._open(
                     request, path, raw, headers, req, replica, uncached, arrived
                 )
             except _Upstream as e:
                 self._undo(req, replica, uncached)
+                last_error = e
                 tried.add(replica.url)
                 self.metrics.retries.labels(replica.url).inc()
                 log.warning("request moved off %s before its first byte: %s", replica.url, e)
@@ -327,8 +364,12 @@ class Router:
                 raise
 
     def _undo(self, req: RouteRequest, replica: Replica, uncached: int) -> None:
-        self._first_byte(req, replica, uncached)
+        if not req.first_byte_seen:
+            self._first_byte(req, replica, uncached)
         replica.in_flight -= 1
+        if not req.stream:  # it never reached the replica's queue
+            replica.unseen = max(replica.unseen - 1, 0)
+            replica.unseen_tokens = max(replica.unseen_tokens - uncached, 0)
         self.policy.done(req)
 
     async def _open(self, request: Request, path: str, raw: bytes, headers: dict[str, str],
@@ -345,9 +386,13 @@ class Router:
             raise _Upstream(str(e) or type(e).__name__) from None
         chunks = resp.aiter_raw()
         try:
-            if resp.status_code >= 500:
-                detail = (await resp.aread())[:200].decode(errors="replace")
-                raise _Upstream(f"HTTP {resp.status_code}: {detail}")
+            if resp.status_code in _RETRIED_STATUS:  # the replica cannot serve now
+                content = await resp.aread()
+                keep = {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
+                raise _Upstream(
+                    f"HTTP {resp.status_code}: {content[:200].decode(errors='replace')}",
+                    Response(content, status_code=resp.status_code, headers=keep),
+                )
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
@@ -362,6 +407,15 @@ class Router:
         now = time.perf_counter()
         self._first_byte(req, replica, uncached, now - sent)
         self.metrics.ttfb.labels(replica.url).observe(now - arrived)
+        try:
+            return self._commit(resp, chunks, first, req, replica)
+        except BaseException:
+            await resp.aclose()
+            raise
+
+    def _commit(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
+                req: RouteRequest, replica: Replica) -> Response:  # fmt: skip
+        """The response that streams the rest of the replica's answer to the client."""
         done = False
 
         async def finish() -> None:
@@ -375,17 +429,22 @@ class Router:
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
 
         async def body() -> AsyncIterator[bytes]:
+            tail = b"\n\n"
             try:
                 if first:
+                    tail = first[-2:]
                     yield first
                 async for chunk in chunks:
+                    tail = (tail + chunk)[-2:]
                     yield chunk
             except httpx.TransportError as e:
                 self.metrics.errors.labels("stream_broken").inc()
                 log.warning("replica %s broke a response: %s", replica.url, e)
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
-                if sse:
-                    yield _sse_error(f"the replica serving this request failed: {type(e).__name__}")
+                if not sse:  # a whole answer cut short: cut the connection, never a clean end
+                    raise
+                event = _sse_error(f"the replica serving this request failed: {type(e).__name__}")
+                yield event if tail == b"\n\n" else b"\n\n" + event  # not inside its line
             finally:
                 await finish()
 
@@ -463,7 +522,9 @@ class Router:
 
 
 def _forward_headers(request: Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    headers["accept-encoding"] = "identity"  # bytes pass through as they come: no encoding
+    return headers
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -505,8 +566,13 @@ def build_app(config: RouterConfig) -> FastAPI:
             return denied
         try:
             body = await request.json()
-            return normalize_url(str(body["url"]))
-        except (ValueError, KeyError, TypeError):
+            url = normalize_url(str(body["url"]))
+            parsed = httpx.URL(url)
+            port_ok = parsed.port is None or 0 < parsed.port < 65536
+            if parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
+                raise ValueError(url)
+            return url
+        except (ValueError, KeyError, TypeError, httpx.InvalidURL):
             return error_response(
                 400, 'the body must be {"url": "http://host:port"}', "BadRequestError"
             )

@@ -96,8 +96,15 @@ def _event(raw: Any) -> KVCacheEvent | None:
     return None
 
 
+def _check_hashes(hashes: Any) -> list[BlockHash]:
+    if not isinstance(hashes, list) or not all(isinstance(h, bytes | int) for h in hashes):
+        raise ValueError("block hashes are a list of bytes or ints")
+    return hashes
+
+
 def decode_batch(payload: bytes) -> DecodedBatch:
-    """A ``KVEventBatch`` payload (msgpack) in either of vLLM's encodings."""
+    """A ``KVEventBatch`` payload (msgpack) in either of vLLM's encodings; ValueError for
+    anything else."""
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
@@ -110,33 +117,44 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         raise ValueError("not a KV event batch")
     try:
         decoded = [e for e in (_event(x) for x in events) if e is not None]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"malformed event: {e}") from None
-    return DecodedBatch(float(ts), decoded, rank)
+        for event in decoded:
+            if isinstance(event, BlockStored | BlockRemoved):
+                _check_hashes(event.block_hashes)
+        return DecodedBatch(float(ts), decoded, rank if isinstance(rank, int) else None)
+    except (KeyError, TypeError, AttributeError, OverflowError) as e:
+        raise ValueError(f"malformed batch: {type(e).__name__}: {e}") from None
 
 
 Source = tuple[str, int]  # (replica URL, data-parallel rank)
+_LOW64 = (1 << 64) - 1
+
+
+def key(h: BlockHash) -> int:
+    """The index's key for a block hash: its low 64 bits, as vLLM publishes hashes by
+    default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so full digests (ours) and vLLM's
+    ints meet."""
+    return int.from_bytes(h[-8:], "big") if isinstance(h, bytes) else h & _LOW64
 
 
 class PreciseIndex:
     """Per engine core of each replica, how many cached blocks carry each hash."""
 
     def __init__(self) -> None:
-        self._held: dict[Source, Counter[BlockHash]] = {}
+        self._held: dict[Source, Counter[int]] = {}
 
     def apply(self, source: Source, events: Iterable[KVCacheEvent]) -> None:
         held = self._held.setdefault(source, Counter())
         for event in events:
             if isinstance(event, BlockStored):
                 if event.medium in _DEVICE_MEDIA:
-                    held.update(event.block_hashes)
+                    held.update(key(h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 if event.medium in _DEVICE_MEDIA:
-                    for h in event.block_hashes:
-                        if held[h] > 1:
-                            held[h] -= 1
+                    for k in map(key, event.block_hashes):
+                        if held[k] > 1:
+                            held[k] -= 1
                         else:
-                            held.pop(h, None)
+                            held.pop(k, None)
             elif isinstance(event, AllBlocksCleared):
                 held.clear()
 
@@ -148,7 +166,7 @@ class PreciseIndex:
             del self._held[source]
 
     def holds(self, source: Source, h: BlockHash) -> bool:
-        return h in self._held.get(source, ())
+        return key(h) in self._held.get(source, ())
 
     def matched_blocks(
         self, hashes: Sequence[BlockHash], replicas: Iterable[str]
@@ -156,12 +174,13 @@ class PreciseIndex:
         """For each replica, the longest leading run of ``hashes`` one of its engines holds."""
         wanted = set(replicas)
         out = dict.fromkeys(wanted, 0)
+        keys = [key(h) for h in hashes]
         for (replica, _), held in self._held.items():
             if replica not in wanted:
                 continue
             n = 0
-            for h in hashes:
-                if h not in held:
+            for k in keys:
+                if k not in held:
                     break
                 n += 1
             out[replica] = max(out[replica], n)
@@ -202,13 +221,14 @@ class Subscription:
         index: PreciseIndex,
         ctx: zmq.asyncio.Context,
         on_batch: Any = None,
-        replay_timeout_s: float = 2.0,
+        replay_timeout_s: float = 10.0,
     ) -> None:
         self.replica, self.publisher, self.index, self.ctx = replica, publisher, index, ctx
         self.source: Source = (replica, publisher.data_parallel_rank)
         self.stats = SubscriptionStats()
         self.last = -1  # the last sequence number applied
         self._duplicates_possible = False  # after a replay, live batches it already covered
+        self._baseline = False  # no usable history: take the next live batch as the start
         self._on_batch = on_batch
         self.replay_timeout_s = replay_timeout_s
         self.synced = asyncio.Event()  # set once the first resync finished
@@ -245,6 +265,9 @@ class Subscription:
             sub.close(linger=0)
 
     async def on_message(self, seq: int, payload: bytes) -> None:
+        if self._baseline:  # no history to rebuild from: the index starts here, empty
+            self._baseline = False
+            self.last = seq - 1
         if seq <= self.last:
             if self._duplicates_possible:
                 return  # a replay already applied it
@@ -256,9 +279,16 @@ class Subscription:
             if seq <= self.last:
                 return
             if seq > self.last + 1:  # the publisher no longer has what was missed
-                await self.resync("gap not replayable")
-                if seq <= self.last:
+                await self.resync("gap not replayable", live_seq=seq)
+                if self._baseline:
+                    self._baseline = False
+                    self.last = seq - 1
+                elif seq <= self.last:
                     return
+                elif seq > self.last + 1:  # still a hole: start over from here, empty
+                    self.index.clear(self.source)
+                    self.index.apply(self.source, [])
+                    self.last = seq - 1
         self._duplicates_possible = False
         self.apply(seq, payload)
 
@@ -277,13 +307,15 @@ class Subscription:
 
     async def catch_up(self, start: int) -> None:
         """Apply the publisher's buffered batches from ``start`` that follow ``last``."""
-        for seq, payload in await self.replay(start):
+        for seq, payload in await self.replay(start) or []:
             if seq == self.last + 1:
                 self.apply(seq, payload)
         self._duplicates_possible = True
 
-    async def resync(self, reason: str) -> None:
-        """Forget this engine's blocks and rebuild them from everything it still buffers."""
+    async def resync(self, reason: str, live_seq: int | None = None) -> None:
+        """Forget this engine's blocks and rebuild them from everything it still buffers:
+        a complete, unbroken replay (up to ``live_seq``, the batch that showed the need),
+        or nothing, and the index starts empty at the next live batch."""
         if reason != "start":
             log.info("KV events of %s (engine %d): resync (%s)", self.replica,
                      self.publisher.data_parallel_rank, reason)  # fmt: skip
@@ -291,20 +323,28 @@ class Subscription:
         self.index.clear(self.source)
         self.index.apply(self.source, [])
         self.last = -1
+        self._duplicates_possible = True
         batches = await self.replay(0)
+        seqs = [seq for seq, _ in batches or []]
+        unbroken = seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
+        reaches = live_seq is None or (seqs[-1] if seqs else -1) >= live_seq - 1
+        if batches is None or not unbroken or not reaches:
+            self._baseline = True
+            return
         if batches:
             self.last = batches[0][0] - 1  # the oldest it kept: what came before is gone
         for seq, payload in batches:
-            if seq == self.last + 1:
-                self.apply(seq, payload)
-        self._duplicates_possible = True
+            self.apply(seq, payload)
 
-    async def replay(self, start: int) -> list[tuple[int, bytes]]:
+    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The publisher's buffered batches from ``start``; None without a replay socket or
+        when the answer did not end with its end marker in time."""
         if not self.publisher.replay_endpoint:
-            return []
+            return None
         self.stats.replays += 1
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(self.publisher.replay_endpoint)
         out: list[tuple[int, bytes]] = []
         try:
@@ -314,9 +354,9 @@ class Subscription:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await sock.poll(int(left * 1000)):
                     log.warning("KV event replay from %s timed out", self.publisher.replay_endpoint)
-                    return out
+                    return None
                 frames = await sock.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == END_SEQ:

@@ -61,6 +61,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import math
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -91,6 +92,7 @@ class RouteRequest:
     follows: Any = None  # burst: the leader whose prefill this request waits for
     leads: Any = None  # burst: this request computes a new prefix others may wait for
     features: tuple[str, float, float] | None = None  # cost: (replica, 1 + n, t + u) when sent
+    first_byte_seen: bool = False  # the current attempt's
 
     @property
     def lookup(self) -> list[BlockHash]:
@@ -274,7 +276,8 @@ class BurstPolicy(PrefixApproxPolicy):
             req.follows = leader
             return Decision(leader.replica, cached_blocks=shared)
         decision = super().choose(req, replicas)
-        if decision.cached_blocks == 0 and req.lookup:
+        if decision.cached_blocks == 0 and req.lookup and req.stream:
+            # (a streaming leader: a whole answer's first byte is its last)
             req.leads = _Leader(decision.replica, req.lookup, now + self.window_s)
             for h in req.lookup:
                 self._leaders.setdefault(h, req.leads)
@@ -304,9 +307,11 @@ class LatencyModel:
 
     def __init__(self, a0: float, b0: float) -> None:
         self.theta = [a0, b0]
+        self.theta0 = (a0, b0)
         # Prior standard deviations of 30x the prior: the data decide within a few dozen
         # requests, and a coefficient they leave unexcited stays near where it started.
-        self.p = [[(30 * max(a0, 1e-3)) ** 2, 0.0], [0.0, (30 * max(b0, 1e-6)) ** 2]]
+        self.p0 = ((30 * max(a0, 1e-3)) ** 2, (30 * max(b0, 1e-6)) ** 2)
+        self.p = [[self.p0[0], 0.0], [0.0, self.p0[1]]]
         self.samples = 0
 
     def update(self, x1: float, x2: float, y: float) -> None:
@@ -317,8 +322,15 @@ class LatencyModel:
         err = y - (self.theta[0] * x1 + self.theta[1] * x2)
         self.theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err]
         xp = [x1 * p11 + x2 * p21, x1 * p12 + x2 * p22]  # x^T P
-        self.p = [[(p11 - k[0] * xp[0]) / FORGET, (p12 - k[0] * xp[1]) / FORGET],
-                  [(p21 - k[1] * xp[0]) / FORGET, (p22 - k[1] * xp[1]) / FORGET]]  # fmt: skip
+        p = [[p11 - k[0] * xp[0], p12 - k[0] * xp[1]], [p21 - k[1] * xp[0], p22 - k[1] * xp[1]]]
+        # Forget only while the covariance stays within its start (bounded forgetting): a
+        # direction the requests never excite would otherwise grow by 1/FORGET per request
+        # until the numbers overflow.
+        if p[0][0] * FORGET < self.p0[0] and p[1][1] * FORGET < self.p0[1]:
+            p = [[v / FORGET for v in row] for row in p]
+        if not all(math.isfinite(v) for v in (*self.theta, *p[0], *p[1])):
+            self.theta, p = list(self.theta0), [[self.p0[0], 0.0], [0.0, self.p0[1]]]
+        self.p = p
         self.samples += 1
 
     @property
@@ -383,8 +395,10 @@ class CostPolicy(Policy):
         self._seen = list(replicas)
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
         costs = {r.url: self.estimate(req, r, matched[r.url], replicas) for r in replicas}
+        costs = {u: c if math.isfinite(c) else math.inf for u, c in costs.items()}
         best = min(costs.values())
-        chosen = self.least_busy([r for r in replicas if costs[r.url] <= best + _TIE_S])
+        ties = [r for r in replicas if costs[r.url] <= best + _TIE_S]
+        chosen = self.least_busy(ties or list(replicas))
         if matched[chosen.url]:
             chosen = self._copy_if_hot(chosen, matched, costs, replicas)
         uncached = max(req.prompt_tokens - matched[chosen.url] * req.block_size, 0)
@@ -403,7 +417,7 @@ class CostPolicy(Policy):
         other = min(others, key=lambda r: costs[r.url])
         a, _ = self.coefficients(holder, replicas)
         n, _ = self.ahead(holder)
-        if a * n >= costs[other.url] - costs[holder.url]:
+        if n > 0 and a * n >= costs[other.url] - costs[holder.url]:
             self.copies += 1
             return other
         return holder

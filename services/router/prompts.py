@@ -23,7 +23,9 @@ import pydantic
 
 log = logging.getLogger("actorserve.router")
 
-_CHAT_FIELDS = ("add_generation_prompt", "add_special_tokens", "chat_template_kwargs")
+# Fields of a chat request that change its prompt (vLLM's /tokenize takes them all).
+_CHAT_FIELDS = ("add_generation_prompt", "add_special_tokens", "chat_template_kwargs",
+                "continue_final_message", "chat_template", "tools", "documents")  # fmt: skip
 
 
 def _first_prompt(body: dict[str, Any]) -> str | list[int] | None:

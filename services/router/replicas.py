@@ -82,10 +82,14 @@ class CacheGeometry:
 
     @classmethod
     def from_labels(cls, labels: dict[str, str]) -> CacheGeometry:
+        def number(name: str, default: int) -> int:
+            value = labels.get(name, "")
+            return int(value) if value.isdigit() else default  # vLLM writes "None" too
+
         return cls(
-            block_size=int(labels.get("block_size") or 16),
+            block_size=number("block_size", 16),
             hash_algo=labels.get("prefix_caching_hash_algo") or "sha256",
-            num_blocks=int(labels.get("num_gpu_blocks") or 0),
+            num_blocks=number("num_gpu_blocks", 0),
         )
 
     def same_hashes(self, other: CacheGeometry) -> bool:

@@ -62,6 +62,9 @@ class KVEventPublisher:
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # A replay is the whole buffer in one go: zmq's default of 1,000 queued messages
+            # would drop the rest (and the end marker) without a word.
+            self._replay.setsockopt(zmq.SNDHWM, 0)
             self.bound_replay = _bind(self._replay, replay_endpoint)
         self.topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
