@@ -247,17 +247,23 @@ async def open_loop(url: str, model: str, rate: float, requests: int, speed: flo
     gaps = rng.exponential(1.0 / rate, requests) * speed  # real seconds
     who = rng.integers(0, tenants, requests)
     ttfts: list[float] = []
+    errors: list[str] = []
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
 
         async def one(i: int) -> None:
             prompt = f"{salt}{tenant_context(int(who[i]))}\nQuery {i}: summarize section {i % 240}."
-            ttfts.append(await stream_ttft(client, url, model, prompt, max_tokens) / speed)
+            try:
+                ttfts.append(await stream_ttft(client, url, model, prompt, max_tokens) / speed)
+            except (httpx.HTTPError, RuntimeError) as e:  # counted, never the end of the run
+                errors.append(f"{type(e).__name__}: {e}"[:200])
 
         tasks = []
         for i in range(requests):
             tasks.append(asyncio.create_task(one(i)))
             await asyncio.sleep(gaps[i])
         await asyncio.gather(*tasks)
+    if errors:
+        print(f"  {len(errors)} of {requests} requests failed, e.g. {errors[0]}", flush=True)
     return ttfts
 
 
@@ -315,6 +321,9 @@ def scale_policy(policy: str, rates: list[float], requests: int, speed: float, t
                 print(f"{policy:>18} {rate:>6g} {row['output_tok_s']:>9.0f} "
                       f"{row['ttft_p50_s']:>9.2f} {row['ttft_p90_s']:>9.2f} {peak:>8.0f}", flush=True)  # fmt: skip
         finally:
+            log = Path(router.log.name if hasattr(router, "log") else router.proc.log.name)
+            with contextlib.suppress(OSError):  # kept for a look when a run goes wrong
+                (OUT / f"routing_scale_{policy}.log").write_bytes(log.read_bytes()[-200_000:])
             router.close()
     return rows
 
