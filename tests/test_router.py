@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import math
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -510,3 +511,27 @@ def test_a_whole_answer_never_leads_a_burst() -> None:
     whole = _req(4, stream=False)
     policy.choose(whole, _replicas(2))
     assert whole.leads is None  # its first byte is its last: followers would wait it out
+
+
+def test_a_hung_replica_gives_up_its_requests_when_it_fails_its_health_check(
+    replicas, router_for
+) -> None:  # noqa: ANN001
+    router = router_for("session")  # one session: both requests go to the same replica
+    body = {"model": "fake", "prompt": "x", "max_tokens": 3, "stream": True, "user": "u"}
+    out: list[list[str]] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=20) as r:
+            out.append([ln for ln in r.iter_lines() if ln.startswith("data:")])
+
+    httpx.post(router.url + "/v1/completions", json={**body, "stream": False})
+    hung = next(r for r in replicas if r.bodies)
+    other = next(r for r in replicas if r is not hung)
+    hung.chunk_delay = 60.0  # accepts, then never answers
+    thread = threading.Thread(target=stream)
+    thread.start()
+    time.sleep(0.5)
+    hung.healthy = False  # its health check fails: its open request moves before any byte
+    thread.join(15)
+    assert not thread.is_alive() and out and out[0][-1] == "data: [DONE]"
+    assert len(other.bodies) == 1 and "error" not in out[0][0]

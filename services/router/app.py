@@ -380,11 +380,15 @@ class Router:
             "POST", replica.url + path, content=raw, headers=headers
         )
         try:
-            resp = await self.client.send(upstream, stream=True)
+            resp = await self._until_down(self.client.send(upstream, stream=True), replica)
         except httpx.TransportError as e:
             self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
             raise _Upstream(str(e) or type(e).__name__) from None
         chunks = resp.aiter_raw()
+        # A replica that hangs with its connections open leaves the rotation when its health
+        # check fails: then its requests give up on it (before the first byte: another
+        # replica; after it: an error event), instead of waiting forever.
+        watch = asyncio.create_task(self._close_when_down(replica, resp))
         try:
             if resp.status_code in _RETRIED_STATUS:  # the replica cannot serve now
                 content = await resp.aread()
@@ -394,27 +398,49 @@ class Router:
                     Response(content, status_code=resp.status_code, headers=keep),
                 )
             try:
-                first = await chunks.__anext__()
+                first = await self._until_down(chunks.__anext__(), replica)
             except StopAsyncIteration:
                 first = b""
-        except httpx.TransportError as e:
+        except (httpx.TransportError, httpx.StreamError) as e:
+            watch.cancel()
             await resp.aclose()
             self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
             raise _Upstream(str(e) or type(e).__name__) from None
-        except _Upstream:
+        except BaseException:
+            watch.cancel()
             await resp.aclose()
             raise
         now = time.perf_counter()
         self._first_byte(req, replica, uncached, now - sent)
         self.metrics.ttfb.labels(replica.url).observe(now - arrived)
         try:
-            return self._commit(resp, chunks, first, req, replica)
+            return self._commit(resp, chunks, first, req, replica, watch)
         except BaseException:
+            watch.cancel()
             await resp.aclose()
             raise
 
+    @staticmethod
+    async def _until_down(awaitable: Any, replica: Replica) -> Any:
+        """``awaitable``'s result, or a TransportError once the replica leaves rotation."""
+        work = asyncio.ensure_future(awaitable)
+        down = asyncio.ensure_future(replica.down.wait())
+        try:
+            await asyncio.wait({work, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+        if not work.done():
+            work.cancel()
+            raise httpx.ReadError("the replica left the rotation (failed its health check)")
+        return work.result()
+
+    @staticmethod
+    async def _close_when_down(replica: Replica, resp: httpx.Response) -> None:
+        await replica.down.wait()
+        await resp.aclose()
+
     def _commit(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
-                req: RouteRequest, replica: Replica) -> Response:  # fmt: skip
+                req: RouteRequest, replica: Replica, watch: asyncio.Task[None]) -> Response:  # fmt: skip
         """The response that streams the rest of the replica's answer to the client."""
         done = False
 
@@ -422,6 +448,7 @@ class Router:
             nonlocal done
             if not done:
                 done = True
+                watch.cancel()
                 replica.in_flight -= 1
                 self.policy.done(req)
                 await resp.aclose()
@@ -432,19 +459,21 @@ class Router:
             tail = b"\n\n"
             try:
                 if first:
-                    tail = first[-2:]
+                    tail = first[-16:]
                     yield first
                 async for chunk in chunks:
-                    tail = (tail + chunk)[-2:]
+                    tail = (tail + chunk)[-16:]
                     yield chunk
-            except httpx.TransportError as e:
+                if replica.down.is_set() and sse and b"[DONE]" not in tail:
+                    raise httpx.ReadError("the replica left the rotation (failed its health check)")
+            except (httpx.TransportError, httpx.StreamError) as e:
                 self.metrics.errors.labels("stream_broken").inc()
                 log.warning("replica %s broke a response: %s", replica.url, e)
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
                 if not sse:  # a whole answer cut short: cut the connection, never a clean end
                     raise
                 event = _sse_error(f"the replica serving this request failed: {type(e).__name__}")
-                yield event if tail == b"\n\n" else b"\n\n" + event  # not inside its line
+                yield event if tail.endswith(b"\n\n") else b"\n\n" + event  # not inside its line
             finally:
                 await finish()
 

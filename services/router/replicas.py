@@ -120,6 +120,7 @@ class Replica:
     _sums: dict[str, float] = field(default_factory=dict)
     failures: int = 0
     admitted: bool = True  # False: its block hashes differ from the router's, kept out
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it leaves rotation
 
     def update_load(self, sample: dict[str, float], now: float) -> dict[str, float]:
         """Take a ``/metrics`` reading; returns the counters' increments since the last one."""
@@ -220,6 +221,10 @@ class ReplicaSet:
     def _set_health(self, replica: Replica, ok: bool) -> None:
         changed = ok != replica.healthy
         replica.healthy = ok
+        if not ok:
+            replica.down.set()  # its open requests give up on it (see the router)
+        elif replica.down.is_set():
+            replica.down = asyncio.Event()
         if changed and self._on_change is not None:
             self._on_change(replica)
 
