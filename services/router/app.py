@@ -485,8 +485,11 @@ class Router:
         )
 
     async def passthrough(self, request: Request, path: str) -> Response:
-        """Any other route: the least busy healthy replica, another one on failure."""
-        raw = await request.body()
+        """Any other route: the least busy healthy replica (another one if it cannot be
+        reached), its answer streamed through as it comes."""
+        raw = await self._read_body(request)
+        if isinstance(raw, Response):
+            return raw
         headers = _forward_headers(request)
         tried: set[str] = set()
         while True:
@@ -495,17 +498,19 @@ class Router:
                 return error_response(503, "no healthy replica to serve the request",
                                       "ServiceUnavailableError")  # fmt: skip
             replica = self.policy.least_busy(candidates)
+            upstream = self.client.build_request(
+                request.method, replica.url + path, content=raw, headers=headers,
+                params=request.query_params,
+            )  # fmt: skip
             try:
-                resp = await self.client.request(
-                    request.method, replica.url + path, content=raw, headers=headers,
-                    params=request.query_params,
-                )  # fmt: skip
+                resp = await self.client.send(upstream, stream=True)
             except httpx.TransportError as e:
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
                 tried.add(replica.url)
                 continue
             keep = {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
-            return Response(resp.content, status_code=resp.status_code, headers=keep)
+            return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=keep,
+                                     background=BackgroundTask(resp.aclose))  # fmt: skip
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
