@@ -32,6 +32,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from services.api_server.http_io import error_response
+from services.api_server.serving import error_body
 from services.router.kv_events import (
     DecodedBatch,
     EventFollower,
@@ -83,13 +85,8 @@ class RouterConfig:
     kv_events: dict[str, Publisher] = field(default_factory=dict)
 
 
-def error_response(status: int, message: str, error_type: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
 def _sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+    body = error_body(502, message, "BadGatewayError")
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
@@ -456,15 +453,14 @@ class Router:
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
 
         async def body() -> AsyncIterator[bytes]:
-            tail = b"\n\n"
+            last = first or b"\n\n"  # the last chunk sent (SSE chunks end with their events)
             try:
                 if first:
-                    tail = first[-16:]
                     yield first
                 async for chunk in chunks:
-                    tail = (tail + chunk)[-16:]
+                    last = chunk
                     yield chunk
-                if replica.down.is_set() and sse and b"[DONE]" not in tail:
+                if replica.down.is_set() and sse and b"[DONE]" not in last:
                     raise httpx.ReadError("the replica left the rotation (failed its health check)")
             except (httpx.TransportError, httpx.StreamError) as e:
                 self.metrics.errors.labels("stream_broken").inc()
@@ -473,7 +469,7 @@ class Router:
                 if not sse:  # a whole answer cut short: cut the connection, never a clean end
                     raise
                 event = _sse_error(f"the replica serving this request failed: {type(e).__name__}")
-                yield event if tail.endswith(b"\n\n") else b"\n\n" + event  # not inside its line
+                yield event if last.endswith(b"\n\n") else b"\n\n" + event  # not inside its line
             finally:
                 await finish()
 

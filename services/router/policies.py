@@ -134,7 +134,7 @@ class Policy:
     """Chooses among healthy replicas (never an empty list).
 
     The router calls ``choose``, then awaits ``admit`` (a policy may hold the request back:
-    ``burst``) and sends it; ``sent_first_byte`` when the replica's first byte arrived and
+    ``burst``) and sends it; ``first_byte`` when the replica's first byte arrived and
     ``done`` when the request ended (either way)."""
 
     name: ClassVar[str]
@@ -348,7 +348,6 @@ class CostPolicy(Policy):
         self._routed = 0
         self.models: dict[str, LatencyModel] = {}
         self.copies = 0
-        self._seen: list[Replica] = []  # the replicas of the last choice (for priors)
 
     def coefficients(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float]:
         """``(a, b)`` for ``r``: fitted, else its prior."""
@@ -392,7 +391,6 @@ class CostPolicy(Policy):
         return a * x1 + b * x2
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
-        self._seen = list(replicas)
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
         costs = {r.url: self.estimate(req, r, matched[r.url], replicas) for r in replicas}
         costs = {u: c if math.isfinite(c) else math.inf for u, c in costs.items()}
@@ -405,6 +403,8 @@ class CostPolicy(Policy):
         self._routed += 1
         self.mean_uncached += (uncached - self.mean_uncached) / min(self._routed, 100)
         req.features = (chosen.url, *self.features(req, chosen, matched[chosen.url]))
+        if chosen.url not in self.models:  # learning starts from what is known of it now
+            self.models[chosen.url] = LatencyModel(*self.prior(chosen, replicas))
         return Decision(chosen, matched[chosen.url], costs[chosen.url])
 
     def _copy_if_hot(self, holder: Replica, matched: dict[str, int], costs: dict[str, float],
@@ -426,12 +426,8 @@ class CostPolicy(Policy):
         if ttfb_s is None or not req.stream or req.features is None:
             return
         url, x1, x2 = req.features
-        model = self.models.get(url)
-        if model is None:
-            replica = next((r for r in self._seen if r.url == url), None)
-            a0, b0 = self.prior(replica, self._seen) if replica else (DEFAULT_A_S, DEFAULT_B_S)
-            model = self.models[url] = LatencyModel(a0, b0)
-        model.update(x1, x2, ttfb_s)
+        if (model := self.models.get(url)) is not None:  # made when it was chosen
+            model.update(x1, x2, ttfb_s)
 
 
 POLICIES: dict[str, type[Policy]] = {
