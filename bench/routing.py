@@ -307,19 +307,29 @@ def scale_policy(policy: str, rates: list[float], requests: int, speed: float, t
         try:
             router.wait_ready(120)
             model = _model(servers[0].url)
+            names = ("vllm:generation_tokens_total", "vllm:prefix_cache_hits_total",
+                     "vllm:prefix_cache_queries_total", "vllm:request_prefill_kv_computed_tokens_sum")  # fmt: skip
             for k, rate in enumerate(rates):
-                tokens0 = _sum(servers, "vllm:generation_tokens_total")
+                before = [_sum(servers, n) for n in names]
                 ttfts, elapsed, peak = asyncio.run(measure_rate(
                     servers, router.url, model, rate, requests, speed, tenants,
                     f"[{policy}] ", k, max_tokens,
                 ))  # fmt: skip
-                tokens = _sum(servers, "vllm:generation_tokens_total") - tokens0
+                tokens, hits, queries, computed = (
+                    _sum(servers, n) - b for n, b in zip(names, before, strict=True)
+                )
                 row = {"policy": policy, "request_rate": rate, "output_tok_s": tokens / elapsed,
                        "ttft_p50_s": float(np.percentile(ttfts, 50)),
-                       "ttft_p90_s": float(np.percentile(ttfts, 90)), "peak_waiting": peak}  # fmt: skip
+                       "ttft_p90_s": float(np.percentile(ttfts, 90)), "peak_waiting": peak,
+                       "hit_rate": hits / max(queries, 1.0),
+                       "prefill_tokens_per_request": computed / requests}  # fmt: skip
+                if policy == "cost":  # requests it sent to copy a hot prefix (cumulative)
+                    row["hot_copies"] = router.metrics().get("router:hot_prefix_copies", 0.0)
                 rows.append(row)
                 print(f"{policy:>18} {rate:>6g} {row['output_tok_s']:>9.0f} "
-                      f"{row['ttft_p50_s']:>9.2f} {row['ttft_p90_s']:>9.2f} {peak:>8.0f}", flush=True)  # fmt: skip
+                      f"{row['ttft_p50_s']:>9.2f} {row['ttft_p90_s']:>9.2f} {peak:>8.0f} "
+                      f"{100 * row['hit_rate']:>7.1f}% {row['prefill_tokens_per_request']:>8.0f}",
+                      flush=True)  # fmt: skip
         finally:
             log = Path(router.log.name if hasattr(router, "log") else router.proc.log.name)
             with contextlib.suppress(OSError):  # kept for a look when a run goes wrong
@@ -396,7 +406,7 @@ def main() -> int:
     if args.experiment == "scale":
         policies = [*args.policies, *(["sglang_cache_aware"] if args.sglang else [])]
         print(f"{'policy':>18} {'rate':>6} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-              f"{'waiting':>8}", flush=True)  # fmt: skip
+              f"{'waiting':>8} {'hits':>8} {'computed':>8}", flush=True)  # fmt: skip
         for policy in policies:
             rows += scale_policy(policy, args.rates, args.requests, args.sim_speed, args.tenants,
                                  args.max_tokens, args.sglang)  # fmt: skip

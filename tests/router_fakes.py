@@ -65,6 +65,8 @@ class FakeReplica:
         self.chunk_delay = 0.0
         self.running = self.waiting = 0.0
         self.prefill = (0.0, 0.0)  # seconds, tokens (sums)
+        self.has_load = False  # answers GET /load as ours does (else 404, as vLLM's mostly)
+        self.reads: dict[str, int] = {"/load": 0, "/metrics": 0}
         self.thread = ServerThread(self.app())
         self.url = self.thread.url
 
@@ -78,8 +80,18 @@ class FakeReplica:
         async def health() -> Response:
             return Response(status_code=200 if self.healthy else 503)
 
+        @app.get("/load")
+        async def load() -> Response:
+            self.reads["/load"] += 1
+            if not self.has_load:
+                return Response(status_code=404)
+            return JSONResponse({"server_load": self.running + self.waiting,
+                                 "num_requests_waiting": self.waiting,
+                                 "num_requests_running": self.running})  # fmt: skip
+
         @app.get("/metrics")
         async def metrics() -> Response:
+            self.reads["/metrics"] += 1
             labels = (f'block_size="{self.block_size}",prefix_caching_hash_algo="{self.hash_algo}",'
                       'num_gpu_blocks="64",enable_prefix_caching="True"')  # fmt: skip
             text = (f"vllm:cache_config_info{{{labels}}} 1.0\n"

@@ -281,3 +281,25 @@ def test_models_health_version_metrics_tokenize(server, http):
     assert http.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "你好 world"}
     t = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert tok.decode(t["tokens"], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+
+def test_load_counts_requests_in_flight(server, http):
+    """/load: vLLM's ``server_load`` and the waiting/running split, as the front end sees it."""
+    assert http.get("/load").json() == {
+        "server_load": 0,
+        "num_requests_waiting": 0,
+        "num_requests_running": 0,
+    }
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 1500, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # past the first token: running, not waiting
+        assert http.get("/load").json() == {
+            "server_load": 1,
+            "num_requests_waiting": 0,
+            "num_requests_running": 1,
+        }
+    deadline = time.monotonic() + 5
+    while http.get("/load").json()["server_load"]:
+        assert time.monotonic() < deadline, "the closed stream still counts"
+        time.sleep(0.02)

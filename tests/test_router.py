@@ -107,14 +107,18 @@ def test_cost_weighs_cache_against_queue_and_copies_a_hot_prefix() -> None:
     a.pending, a.pending_tokens = 4, 400
     d = policy.choose(_req(12, tail=8), [a, b])
     assert d.replica is b and d.predicted_ttft_s == pytest.approx(0.01 + 0.2)
-    # A queue of short (cached) requests: a is still the cheapest, 0.08 s against 0.21 s ...
+    # A miss costs its TTFT and as much again for the work it adds to b (0.21 + 0.2 s):
+    # with a queue of short (cached) requests a is still the cheapest, 0.12 s ...
     a.pending, a.pending_tokens = 3, 0
+    assert policy.cost(_req(12, tail=8), a, 10, [a, b]) == pytest.approx(0.01 + 0.03 + 0.08)
+    assert policy.cost(_req(12, tail=8), b, 0, [a, b]) == pytest.approx(0.41)
     assert policy.choose(_req(12, tail=8), [a, b]).replica is a
-    # ... until the wait there (a * n = 0.1 s) exceeds the copy's extra cost (0.21 - 0.15):
-    # the ski-rental rule sends this one to b, which then holds the prefix too.
-    a.pending = 10
+    # ... and with 20 of them (0.29 s), until the wait there (a * n = 0.2 s) exceeds the
+    # copy's extra cost (0.41 - 0.29): the ski-rental rule sends this one to b, which then
+    # holds the prefix too.
+    a.pending = 20
     req = _req(12, tail=8)
-    assert policy.estimate(req, a, 10, [a, b]) < policy.estimate(req, b, 0, [a, b])
+    assert policy.cost(req, a, 10, [a, b]) < policy.cost(req, b, 0, [a, b])
     d = policy.choose(req, [a, b])
     assert d.replica is b and d.cached_blocks == 0 and policy.copies == 1
     # Waiting requests the router did not send count too, at the mean uncached size.
@@ -128,19 +132,23 @@ def test_cost_learns_each_replicas_latency_from_its_first_bytes() -> None:
     a, b = _replicas(2)
     a.step_s, a.prefill_s_per_token = 0.05, 2e-3  # priors
     policy = CostPolicy(ApproxPrefixIndex())
-    assert policy.coefficients(a, [a, b]) == (0.05, 2e-3)
-    assert policy.coefficients(b, [a, b]) == (0.05, 2e-3)  # the fleet's until b has its own
-    assert policy.coefficients(b, [b]) == (DEFAULT_A_S, DEFAULT_B_S)
+    assert policy.coefficients(a, [a, b]) == (0.05, 0.05, 2e-3)
+    assert policy.coefficients(b, [a, b]) == (0.05, 0.05, 2e-3)  # the fleet's until b's own
+    assert policy.coefficients(b, [b]) == (DEFAULT_A_S, DEFAULT_A_S, DEFAULT_B_S)
     rng = random.Random(1)
-    for _ in range(40):  # b really costs 20 ms a request and 0.5 ms a token
+    # b really takes 30 ms whatever the queue, 20 ms more per request ahead, 0.5 ms a token:
+    # the fixed part is told apart from the queue's (charging it per request ahead would
+    # make a short queue of cached requests look dearer than it is).
+    for _ in range(60):
         b.pending, b.pending_tokens = rng.randrange(8), rng.randrange(3000)
         req = _req(rng.randrange(1, 100))
         policy.choose(req, [b])
         assert req.features is not None
-        _, x1, x2 = req.features
-        policy.first_byte(req, 0.02 * x1 + 5e-4 * x2)
-    a_s, b_s = policy.coefficients(b, [a, b])
-    assert a_s == pytest.approx(0.02, rel=0.05) and b_s == pytest.approx(5e-4, rel=0.05)
+        _, n, x = req.features
+        policy.first_byte(req, 0.03 + 0.02 * n + 5e-4 * x)
+    c_s, a_s, b_s = policy.coefficients(b, [a, b])
+    assert c_s == pytest.approx(0.03, rel=0.05) and a_s == pytest.approx(0.02, rel=0.05)
+    assert b_s == pytest.approx(5e-4, rel=0.05)
 
 
 def test_approx_index_is_an_lru_of_the_replicas_size() -> None:
@@ -464,13 +472,12 @@ def test_replicas_that_hash_differently_are_refused() -> None:
 def test_cost_model_stays_finite_when_requests_never_vary() -> None:
     from services.router.policies import LatencyModel
 
-    model = LatencyModel(0.01, 1e-3)
+    model = LatencyModel(0.01, 0.01, 1e-3)
     for _ in range(30_000):  # one prompt length, an idle replica: x never changes
-        model.update(1.0, 200.0, 0.03)
-    a, b = model.ab
-    assert (
-        math.isfinite(a) and math.isfinite(b) and a * 1 + b * 200 == pytest.approx(0.03, rel=0.01)
-    )
+        model.update(0.0, 200.0, 0.03)
+    c, a, b = model.cab
+    assert all(math.isfinite(v) for v in (c, a, b))
+    assert c + b * 200 == pytest.approx(0.03, rel=0.01)
 
 
 def test_vllm_cache_config_labels_and_unknown_hashes() -> None:
@@ -535,3 +542,30 @@ def test_a_hung_replica_gives_up_its_requests_when_it_fails_its_health_check(
     thread.join(15)
     assert not thread.is_alive() and out and out[0][-1] == "data: [DONE]"
     assert len(other.bodies) == 1 and "error" not in out[0][0]
+
+
+def test_load_comes_from_load_where_a_replica_has_it(replicas, router_for) -> None:  # noqa: ANN001
+    """``cost`` reads ours' cheap ``/load`` every interval and its ``/metrics`` about once a
+    second; a replica without ``/load`` (vLLM) has its ``/metrics`` read every interval."""
+    from services.router.replicas import METRICS_INTERVAL_S
+
+    ours, theirs = replicas
+    ours.has_load, ours.waiting, theirs.waiting = True, 7.0, 3.0  # traffic from elsewhere
+    router = router_for("cost", load_interval_ms=20, api_key="k")
+    time.sleep(1.5)
+    reads = {r.name: dict(r.reads) for r in replicas}
+    assert reads["a"]["/load"] >= 20, reads
+    assert reads["a"]["/metrics"] <= 2 + 1.5 / METRICS_INTERVAL_S, reads
+    assert reads["b"]["/metrics"] >= 20 and reads["b"]["/load"] == 1, reads  # asked once
+    listed = httpx.get(router.url + "/admin/backends",
+                       headers={"authorization": "Bearer k"}).json()["backends"]  # fmt: skip
+    assert [b["waiting"] for b in listed] == [7.0, 3.0]
+    # Without traffic from elsewhere, ours is read once a second (its own counts suffice).
+    ours.waiting = 0.0
+    time.sleep(0.3)
+    before = ours.reads["/load"]
+    time.sleep(1.5)
+    assert ours.reads["/load"] - before <= 3, ours.reads
+    ours.waiting = 2.0  # and fast again once a reading shows some
+    time.sleep(1.5)
+    assert ours.reads["/load"] - before >= 15, ours.reads

@@ -333,6 +333,15 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=503 if frontend.errored else 200)
 
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        """This server's load as its front end sees it, for routers that poll often (the
+        full ``/metrics`` merges every process's series). ``server_load`` is vLLM's field
+        (requests in flight); waiting = no output yet (queued or in prefill)."""
+        live, waiting = frontend.num_running, frontend.num_waiting
+        return JSONResponse({"server_load": live, "num_requests_waiting": waiting,
+                             "num_requests_running": live - waiting})  # fmt: skip
+
     @app.get("/kv_events")
     async def kv_events() -> Response:
         if settings.kv_events is None:

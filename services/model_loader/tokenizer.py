@@ -30,7 +30,11 @@ class TokenizerInfo:
     all_special_ids: set[int] = field(default_factory=set)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch path without offsets: the same ids, ~15 % faster, and it lets go of the
+        # GIL for part of the work (plain ``encode`` holds it throughout: 10+ ms for a
+        # 6k-token prompt, during which an event loop in another thread stands still).
+        (enc,) = self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        ids = enc.ids
         if (
             add_special_tokens
             and self.add_bos_token

@@ -139,8 +139,16 @@ class Router:
             on_metrics=self._on_metrics,
             on_geometry=self._on_geometry,
             on_change=self._on_change,
+            new_client=self.new_client,
         )
-        self.tokenizer = PromptTokenizer(self.client, c.tokenizer)
+        self.tokenizer = PromptTokenizer(c.tokenizer)
+
+    @staticmethod
+    def new_client() -> httpx.AsyncClient:
+        """A connection pool (one for health and load readings, one per replica for requests:
+        httpx looks through a pool's connections for each request it sends)."""
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0))
 
     def _adopt(self, geometry: CacheGeometry) -> None:
         self.geometry = geometry
@@ -257,7 +265,7 @@ class Router:
                            stream=bool(body.get("stream")))  # fmt: skip
         if self.policy.needs_prompt and self.hasher is not None:
             healthy = self.replicas.healthy()
-            via = min(healthy, key=lambda r: r.in_flight).url if healthy else None
+            via = min(healthy, key=lambda r: r.in_flight) if healthy else None
             tokens = await self.tokenizer.token_ids(chat, body, via)
             if tokens:
                 salt = body.get("cache_salt")
@@ -373,11 +381,10 @@ class Router:
                     req: RouteRequest, replica: Replica, uncached: int, arrived: float) -> Response:  # fmt: skip
         """Send to ``replica`` and wait for its first byte; then commit to it."""
         sent = time.perf_counter()
-        upstream = self.client.build_request(
-            "POST", replica.url + path, content=raw, headers=headers
-        )
+        client = replica.client or self.client
+        upstream = client.build_request("POST", replica.url + path, content=raw, headers=headers)
         try:
-            resp = await self._until_down(self.client.send(upstream, stream=True), replica)
+            resp = await self._until_down(client.send(upstream, stream=True), replica)
         except httpx.TransportError as e:
             self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
             raise _Upstream(str(e) or type(e).__name__) from None
@@ -494,12 +501,13 @@ class Router:
                 return error_response(503, "no healthy replica to serve the request",
                                       "ServiceUnavailableError")  # fmt: skip
             replica = self.policy.least_busy(candidates)
-            upstream = self.client.build_request(
+            client = replica.client or self.client
+            upstream = client.build_request(
                 request.method, replica.url + path, content=raw, headers=headers,
                 params=request.query_params,
             )  # fmt: skip
             try:
-                resp = await self.client.send(upstream, stream=True)
+                resp = await client.send(upstream, stream=True)
             except httpx.TransportError as e:
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
                 tried.add(replica.url)
@@ -530,9 +538,9 @@ class Router:
     def _ttft_model(self, r: Replica) -> dict[str, float] | None:
         if not isinstance(self.policy, CostPolicy):
             return None
-        a, b = self.policy.coefficients(r, self.replicas.healthy() or [r])
+        c, a, b = self.policy.coefficients(r, self.replicas.healthy() or [r])
         model = self.policy.models.get(r.url)
-        return {"seconds_per_request": a, "seconds_per_token": b,
+        return {"seconds_fixed": c, "seconds_per_request_ahead": a, "seconds_per_token": b,
                 "samples": model.samples if model else 0}  # fmt: skip
 
     def refresh_gauges(self) -> None:
@@ -564,9 +572,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        timeout = httpx.Timeout(None, connect=5.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async with Router.new_client() as client:
             router = state["router"] = Router(config, client)
             for url in config.backends:
                 await router.add_replica(url)

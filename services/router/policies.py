@@ -19,37 +19,52 @@ hash the prompt first.
 - ``cost`` (the default): the least estimated time to first token (TTFT). For replica r
   and a request whose prompt has ``u(r)`` tokens r does not hold:
 
-      ttft(r) = a(r) * (1 + n(r)) + b(r) * (t(r) + u(r))
+      ttft(r) = c(r) + a(r) * n(r) + b(r) * (t(r) + u(r))
 
   ``n(r)``: requests ahead of it there that have not produced their first token (the
   router's streaming requests not yet past their first byte, those it sent since the last
-  load reading, and ``vllm:num_requests_waiting`` beyond those); ``t(r)``: the prompt
-  tokens they still have to compute (theirs as the router estimated them; the mean uncached
-  size of the router's requests for the others). ``a(r)``: seconds each request costs
-  whatever its length (a step's share: scheduling, the decode rows it runs beside,
-  attending to its cached context); ``b(r)``: seconds per computed prompt token.
+  load reading, and the replica's reported waiting requests beyond those); ``t(r)``: the
+  prompt tokens they still have to compute (theirs as the router estimated them; the mean
+  uncached size of the router's requests for the others). ``c(r)``: the time to first byte
+  of a request that waits for nobody and computes nothing (its step, the hops, the
+  replica's tokenizer); ``a(r)``: what each request ahead adds beyond its tokens (when it
+  needs a step or a batch slot of its own); ``b(r)``: seconds per computed prompt token.
+  (A first version had ``a * (1 + n)``: one constant for both, so the fixed latency, tens
+  of milliseconds of hops and host time, was charged again for every request ahead, and
+  a short queue of cached requests looked dearer than recomputing a 6k-token prompt
+  elsewhere: 80 % prefix hits where pure affinity had 95 % in ``bench/routing.py scale``.)
 
-  ``a`` and ``b`` are measured per replica: recursive least squares over the router's own
-  streaming requests (features ``1 + n`` and ``t + u`` when sent, the time to first byte
-  when it came; forgetting factor ``FORGET`` = 0.95, so about the last 20 requests count),
-  clamped at >= 0, started at the prior (so that ``b`` stays there while every prompt is
-  cached and says nothing about it). Until a replica has ``MIN_SAMPLES`` of them the prior
-  is used: ``a`` = its mean inter-token latency (one step, from
-  ``vllm:inter_token_latency_seconds``), ``b`` = its prefill seconds per computed token
+  ``c``, ``a`` and ``b`` are measured per replica: recursive least squares over the
+  router's own streaming requests (features ``1``, ``n`` and ``t + u`` when sent, the time
+  to first byte when it came; forgetting factor ``FORGET`` = 0.95, so about the last 20
+  requests count), kept >= 0, started at the prior (so that ``b`` stays there while
+  every prompt is cached and says nothing about it). Until a replica has ``MIN_SAMPLES``
+  of them the prior is used: ``c`` = ``a`` = its mean inter-token latency (one step, from
+  ``vllm:inter_token_latency_seconds``: a request ahead costing a step is the pessimistic
+  start), ``b`` = its prefill seconds per computed token
   (``vllm:request_prefill_time_seconds_sum`` over ``_kv_computed_tokens_sum``, from readings
   whose prompts averaged >= 128 computed tokens: a cached prompt's prefill is a step's
   time, whatever its length); where a replica has not measured one yet, the fleet's mean
   (of fitted models first: replicas of one fleet are alike), else ``DEFAULT_A_S`` and
-  ``DEFAULT_B_S``. Non-streaming requests are routed
-  the same way but teach the model nothing (their first byte is their last).
+  ``DEFAULT_B_S``. Non-streaming requests are routed the same way but teach the model
+  nothing (their first byte is their last).
   ``cached(r)``: leading blocks the replica holds (its KV events where it publishes them,
   the router's own record elsewhere). Estimates within 1 ms of the best go to the fewest
   in flight.
 
+  The replica chosen is the one with the least ``ttft(r) + b(r) * u(r)``: the request's
+  own wait, and the time its uncached tokens keep the replica busy, which every request
+  arriving behind it there waits too. Without that second term a miss that costs this
+  request no more than the holder's queue looked free, though it adds a prefill to the
+  fleet: with 150 tenants on eight replicas, the TTFT alone scattered 20 % of the requests
+  off the replicas holding their context and lost 15 % of the throughput at 100 req/s to
+  recomputation (``bench/routing.py scale``). It makes a miss count twice its compute
+  time, so affinity wins until the holder's queue is worth two recomputations.
+
   One formula weighs affinity against load. On top, a hot prefix is copied deliberately:
   when the cheapest replica holds the prompt's prefix and its queueing part ``a * n``
   already exceeds what sending the request to the best replica without it would cost
-  extra (``ttft(other) - ttft(holder)``), the request goes there: it pays once for the copy
+  extra (the difference of the two replicas' costs), the request goes there: it pays once for the copy
   that every later request sharing the prefix then splits over two replicas. It is the
   ski-rental rule (rent until the rent paid equals the price, then buy), which never pays
   more than twice the best choice in hindsight; the constant is 1 for that reason.
@@ -91,7 +106,7 @@ class RouteRequest:
     stream: bool = True
     follows: Any = None  # burst: the leader whose prefill this request waits for
     leads: Any = None  # burst: this request computes a new prefix others may wait for
-    features: tuple[str, float, float] | None = None  # cost: (replica, 1 + n, t + u) when sent
+    features: tuple[str, float, float] | None = None  # cost: (replica, n, t + u) when sent
     first_byte_seen: bool = False  # the current attempt's
 
     @property
@@ -301,41 +316,52 @@ class BurstPolicy(PrefixApproxPolicy):
 
 
 class LatencyModel:
-    """``ttft = a * x1 + b * x2`` fitted by recursive least squares with forgetting, started
-    at the prior ``(a0, b0)``: a coefficient the requests do not inform (``b`` when every
-    prompt is cached) stays near its prior instead of absorbing the other's noise."""
+    """``ttft = c + a * n + b * x`` fitted by recursive least squares with forgetting,
+    started at the prior ``(c0, a0, b0)``: a coefficient the requests do not inform (``b``
+    when every prompt is cached) stays near its prior instead of absorbing the others'
+    noise."""
 
-    def __init__(self, a0: float, b0: float) -> None:
-        self.theta = [a0, b0]
-        self.theta0 = (a0, b0)
-        # Prior standard deviations of 30x the prior: the data decide within a few dozen
-        # requests, and a coefficient they leave unexcited stays near where it started.
-        self.p0 = ((30 * max(a0, 1e-3)) ** 2, (30 * max(b0, 1e-6)) ** 2)
-        self.p = [[self.p0[0], 0.0], [0.0, self.p0[1]]]
+    def __init__(self, c0: float, a0: float, b0: float) -> None:
+        self.theta0 = (c0, a0, b0)
+        self.theta = list(self.theta0)
+        # Prior standard deviations of 30x the prior (at least 3 s for ``c`` and ``a``,
+        # which every request informs): the data decide within a few dozen requests, and a
+        # coefficient they leave unexcited (``b`` while every prompt is cached) stays near
+        # where it started.
+        floors = (0.1, 0.1, 1e-6)
+        self.p0 = [(30 * max(v, f)) ** 2 for v, f in zip(self.theta0, floors, strict=True)]
+        self.p = self._start_p()
         self.samples = 0
 
-    def update(self, x1: float, x2: float, y: float) -> None:
-        (p11, p12), (p21, p22) = self.p
-        px = [p11 * x1 + p12 * x2, p21 * x1 + p22 * x2]
-        denom = FORGET + x1 * px[0] + x2 * px[1]
-        k = [px[0] / denom, px[1] / denom]
-        err = y - (self.theta[0] * x1 + self.theta[1] * x2)
-        self.theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err]
-        xp = [x1 * p11 + x2 * p21, x1 * p12 + x2 * p22]  # x^T P
-        p = [[p11 - k[0] * xp[0], p12 - k[0] * xp[1]], [p21 - k[1] * xp[0], p22 - k[1] * xp[1]]]
+    def _start_p(self) -> list[list[float]]:
+        return [[self.p0[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
+
+    def update(self, n: float, x: float, y: float) -> None:
+        f = (1.0, n, x)
+        p = self.p
+        pf = [sum(p[i][j] * f[j] for j in range(3)) for i in range(3)]  # P f (P symmetric)
+        denom = FORGET + sum(f[i] * pf[i] for i in range(3))
+        k = [v / denom for v in pf]
+        err = y - sum(t * v for t, v in zip(self.theta, f, strict=True))
+        # Projected onto c, a, b >= 0 (a negative cost means nothing; left free, a direction
+        # the requests do not tell apart, c against b for one prompt length, would drift
+        # into one negative coefficient that the estimate would then have to clamp).
+        self.theta = [max(t + g * err, 0.0) for t, g in zip(self.theta, k, strict=True)]
+        p = [[p[i][j] - k[i] * pf[j] for j in range(3)] for i in range(3)]
         # Forget only while the covariance stays within its start (bounded forgetting): a
         # direction the requests never excite would otherwise grow by 1/FORGET per request
         # until the numbers overflow.
-        if p[0][0] * FORGET < self.p0[0] and p[1][1] * FORGET < self.p0[1]:
+        if all(p[i][i] * FORGET < self.p0[i] for i in range(3)):
             p = [[v / FORGET for v in row] for row in p]
-        if not all(math.isfinite(v) for v in (*self.theta, *p[0], *p[1])):
-            self.theta, p = list(self.theta0), [[self.p0[0], 0.0], [0.0, self.p0[1]]]
+        if not all(math.isfinite(v) for v in (*self.theta, *p[0], *p[1], *p[2])):
+            self.theta, p = list(self.theta0), self._start_p()
         self.p = p
         self.samples += 1
 
     @property
-    def ab(self) -> tuple[float, float]:
-        return max(self.theta[0], 0.0), max(self.theta[1], 0.0)
+    def cab(self) -> tuple[float, float, float]:
+        c, a, b = self.theta
+        return c, a, b
 
 
 class CostPolicy(Policy):
@@ -349,29 +375,32 @@ class CostPolicy(Policy):
         self.models: dict[str, LatencyModel] = {}
         self.copies = 0
 
-    def coefficients(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float]:
-        """``(a, b)`` for ``r``: fitted, else its prior."""
+    def coefficients(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float, float]:
+        """``(c, a, b)`` for ``r``: fitted, else its prior."""
         model = self.models.get(r.url)
         if model is not None and model.samples >= MIN_SAMPLES:
-            return model.ab
+            return model.cab
         return self.prior(r, replicas)
 
-    def prior(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float]:
-        """Its own measurements (``step_s``, ``prefill_s_per_token``), else the fleet's mean
-        (fitted models first: replicas of one fleet are alike), else the defaults."""
-        fitted = [m.ab for m in self.models.values() if m.samples >= MIN_SAMPLES]
-        a_known = [a for a, _ in fitted] or [x.step_s for x in replicas if x.step_s is not None]
-        b_known = [b for _, b in fitted] or [
-            x.prefill_s_per_token for x in replicas if x.prefill_s_per_token is not None
-        ]
-        a = (
-            r.step_s
-            if r.step_s is not None
-            else (sum(a_known) / len(a_known) if a_known else DEFAULT_A_S)
-        )
+    def prior(self, r: Replica, replicas: Sequence[Replica]) -> tuple[float, float, float]:
+        """Its own measurements (``step_s`` for ``c`` and ``a``, ``prefill_s_per_token``),
+        else the fleet's mean (fitted models first: replicas of one fleet are alike), else
+        the defaults."""
+        fitted = [m.cab for m in self.models.values() if m.samples >= MIN_SAMPLES]
+        steps = [x.step_s for x in replicas if x.step_s is not None]
+        per_token = [x.prefill_s_per_token for x in replicas if x.prefill_s_per_token is not None]
+
+        def mean(values: Sequence[float], default: float) -> float:
+            return sum(values) / len(values) if values else default
+
+        if r.step_s is not None:
+            c = a = r.step_s
+        else:
+            c = mean([m[0] for m in fitted] or steps, DEFAULT_A_S)
+            a = mean([m[1] for m in fitted] or steps, DEFAULT_A_S)
         b = (r.prefill_s_per_token if r.prefill_s_per_token is not None
-             else (sum(b_known) / len(b_known) if b_known else DEFAULT_B_S))  # fmt: skip
-        return a, b
+             else mean([m[2] for m in fitted] or per_token, DEFAULT_B_S))  # fmt: skip
+        return c, a, b
 
     def ahead(self, r: Replica) -> tuple[float, float]:
         """Requests ahead without a first token, and the prompt tokens they still compute."""
@@ -380,19 +409,28 @@ class CostPolicy(Policy):
         return ours + others, r.pending_tokens + r.unseen_tokens + others * self.mean_uncached
 
     def features(self, req: RouteRequest, r: Replica, cached: int) -> tuple[float, float]:
+        """``(n, t + u)``."""
         n, t = self.ahead(r)
-        return 1.0 + n, t + max(req.prompt_tokens - cached * req.block_size, 1)
+        return n, t + max(req.prompt_tokens - cached * req.block_size, 1)
 
     def estimate(
         self, req: RouteRequest, r: Replica, cached: int, replicas: Sequence[Replica]
     ) -> float:
-        a, b = self.coefficients(r, replicas)
-        x1, x2 = self.features(req, r, cached)
-        return a * x1 + b * x2
+        c, a, b = self.coefficients(r, replicas)
+        n, x = self.features(req, r, cached)
+        return c + a * n + b * x
+
+    def cost(
+        self, req: RouteRequest, r: Replica, cached: int, replicas: Sequence[Replica]
+    ) -> float:
+        """The TTFT there, and the time its uncached tokens keep the replica busy."""
+        _, _, b = self.coefficients(r, replicas)
+        uncached = max(req.prompt_tokens - cached * req.block_size, 0)
+        return self.estimate(req, r, cached, replicas) + b * uncached
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
-        costs = {r.url: self.estimate(req, r, matched[r.url], replicas) for r in replicas}
+        costs = {r.url: self.cost(req, r, matched[r.url], replicas) for r in replicas}
         costs = {u: c if math.isfinite(c) else math.inf for u, c in costs.items()}
         best = min(costs.values())
         ties = [r for r in replicas if costs[r.url] <= best + _TIE_S]
@@ -405,7 +443,8 @@ class CostPolicy(Policy):
         req.features = (chosen.url, *self.features(req, chosen, matched[chosen.url]))
         if chosen.url not in self.models:  # learning starts from what is known of it now
             self.models[chosen.url] = LatencyModel(*self.prior(chosen, replicas))
-        return Decision(chosen, matched[chosen.url], costs[chosen.url])
+        ttft = self.estimate(req, chosen, matched[chosen.url], replicas)
+        return Decision(chosen, matched[chosen.url], ttft)
 
     def _copy_if_hot(self, holder: Replica, matched: dict[str, int], costs: dict[str, float],
                      replicas: Sequence[Replica]) -> Replica:  # fmt: skip
@@ -415,7 +454,7 @@ class CostPolicy(Policy):
         if not others:
             return holder
         other = min(others, key=lambda r: costs[r.url])
-        a, _ = self.coefficients(holder, replicas)
+        _, a, _ = self.coefficients(holder, replicas)
         n, _ = self.ahead(holder)
         if n > 0 and a * n >= costs[other.url] - costs[holder.url]:
             self.copies += 1
@@ -425,9 +464,9 @@ class CostPolicy(Policy):
     def first_byte(self, req: RouteRequest, ttfb_s: float | None = None) -> None:
         if ttfb_s is None or not req.stream or req.features is None:
             return
-        url, x1, x2 = req.features
+        url, n, x = req.features
         if (model := self.models.get(url)) is not None:  # made when it was chosen
-            model.update(x1, x2, ttfb_s)
+            model.update(n, x, ttfb_s)
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pydantic
 
+from services.router.replicas import Replica
+
 log = logging.getLogger("actorserve.router")
 
 # Fields of a chat request that change its prompt (vLLM's /tokenize takes them all).
@@ -48,8 +50,7 @@ def _first_prompt(body: dict[str, Any]) -> str | list[int] | None:
 class PromptTokenizer:
     """Token ids of a completions or chat request's prompt (``None`` when unknown)."""
 
-    def __init__(self, client: httpx.AsyncClient, tokenizer: str | None = None) -> None:
-        self.client = client
+    def __init__(self, tokenizer: str | None = None) -> None:
         self._processor = None
         if tokenizer is not None:
             from services.tokenizer.loader import load_serving_tokenizer
@@ -58,8 +59,9 @@ class PromptTokenizer:
             self._processor = RequestProcessor(load_serving_tokenizer(tokenizer), 1 << 31)
 
     async def token_ids(
-        self, chat: bool, body: dict[str, Any], replica_url: str | None
+        self, chat: bool, body: dict[str, Any], via: Replica | None
     ) -> list[int] | None:
+        """Tokenized here with ``--tokenizer``, else by replica ``via`` (None: unknown)."""
         if not chat:
             prompt = _first_prompt(body)
             if prompt is None or isinstance(prompt, list):
@@ -68,9 +70,9 @@ class PromptTokenizer:
             return None
         if self._processor is not None:
             return await asyncio.to_thread(self._local, chat, body)
-        if replica_url is None:
+        if via is None or via.client is None:
             return None
-        return await self._remote(chat, body, replica_url)
+        return await self._remote(chat, body, via.client, via.url)
 
     def _local(self, chat: bool, body: dict[str, Any]) -> list[int] | None:
         from services.api_server.protocol import ChatMessage
@@ -98,7 +100,9 @@ class PromptTokenizer:
         except (pydantic.ValidationError, PromptError, TypeError, ValueError):
             return None
 
-    async def _remote(self, chat: bool, body: dict[str, Any], replica_url: str) -> list[int] | None:
+    @staticmethod
+    async def _remote(chat: bool, body: dict[str, Any], client: httpx.AsyncClient,
+                      replica_url: str) -> list[int] | None:  # fmt: skip
         if chat:
             payload = {
                 "messages": body["messages"],
@@ -112,7 +116,7 @@ class PromptTokenizer:
         if "model" in body:
             payload["model"] = body["model"]
         try:
-            r = await self.client.post(f"{replica_url}/tokenize", json=payload, timeout=10.0)
+            r = await client.post(f"{replica_url}/tokenize", json=payload, timeout=10.0)
             if r.status_code != 200:
                 return None
             tokens = r.json().get("tokens")

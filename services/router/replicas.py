@@ -6,11 +6,20 @@ router learns about it three ways:
 - ``GET /health`` every ``--health-check-interval`` seconds, then ``/metrics``: a replica
   that fails it (or refuses a connection while forwarding) leaves the rotation; one that
   answers 200 again comes back.
-- ``GET /metrics`` every ``--load-interval-ms`` (the ``cost`` policy's load, at most that
-  old): ``vllm:num_requests_running``/``_waiting``, ``vllm:kv_cache_usage_perc``, the
-  prefill time and computed-token sums that give its measured prefill time per token, and
-  the prefix cache counters that show the hits it really had. ``vllm:cache_config_info``
-  gives its block size, hash algorithm and block count, read once.
+- Its load every ``--load-interval-ms`` (the ``cost`` policy's, at most that old): ``GET
+  /load`` where the replica has ours (requests waiting for their first output and running,
+  as its front end counts them: a few bytes, where ``/metrics`` merges every process's
+  series, which costs the replica milliseconds of CPU ten times a second), else ``GET
+  /metrics`` (vLLM: ``vllm:num_requests_running``/``_waiting``). A replica with ``/load``
+  whose last reading showed no request the router did not send, and no whole (non-streamed)
+  answer of the router's open, is read once a second instead: the router's own counts of
+  its requests are current without it (streams until their first byte, all in flight), and
+  a reading that shows outside traffic brings the faster rate back.
+- ``GET /metrics`` at most every ``METRICS_INTERVAL_S`` (every load reading without
+  ``/load``): ``vllm:kv_cache_usage_perc``, the prefill time and computed-token sums that
+  give its measured prefill time per token, the inter-token latency, and the prefix cache
+  counters that show the hits it really had. ``vllm:cache_config_info`` gives its block
+  size, hash algorithm and block count, read once.
 - Its own bookkeeping: requests in flight here, and those not yet past their first byte
   with their uncached prompt tokens (the router's freshest view of the replica's queue).
 """
@@ -42,6 +51,7 @@ _LOAD_SAMPLES = {
     "vllm:inter_token_latency_seconds_sum": "itl_seconds",
     "vllm:inter_token_latency_seconds_count": "itl_count",
 }
+METRICS_INTERVAL_S = 1.0  # /metrics at most this often where /load gives the load
 LONG_PROMPT_TOKENS = 128  # computed prompt tokens per request for a per-token reading
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -101,6 +111,8 @@ class Replica:
     """One backend server and everything the router knows of it."""
 
     url: str
+    # Its own connection pool for requests (httpx scans a pool's connections per request).
+    client: httpx.AsyncClient | None = field(default=None, repr=False)
     healthy: bool = False
     geometry: CacheGeometry | None = None
     # The router's own counts: requests open here, and those still before their first byte.
@@ -114,6 +126,8 @@ class Replica:
     waiting: float = 0.0
     kv_usage: float = 0.0
     load_at: float = 0.0
+    metrics_at: float = 0.0  # when /metrics was last read
+    has_load: bool | None = None  # answers our GET /load (None: not asked yet)
     # Measured prefill seconds per computed token (None until it computed a prompt).
     prefill_s_per_token: float | None = None
     step_s: float | None = None  # measured mean inter-token latency: one step at its load
@@ -122,11 +136,19 @@ class Replica:
     admitted: bool = True  # False: its block hashes differ from the router's, kept out
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it leaves rotation
 
+    def outside_traffic(self) -> bool:
+        """Did the last reading show requests the router did not send (or not see start)?
+        Only those need the reading: the router's own counts are current for its own."""
+        return self.waiting > self.pending + self.unseen or (
+            self.waiting + self.running > self.in_flight
+        )
+
     def update_load(self, sample: dict[str, float], now: float) -> dict[str, float]:
-        """Take a ``/metrics`` reading; returns the counters' increments since the last one."""
-        self.running = sample.get("running", 0.0)
-        self.waiting = sample.get("waiting", 0.0)
-        self.kv_usage = sample.get("kv_usage", 0.0)
+        """Take a load reading (``/load`` or ``/metrics``: a key it lacks keeps its last
+        value); returns the counters' increments since the last reading of them."""
+        self.running = sample.get("running", self.running)
+        self.waiting = sample.get("waiting", self.waiting)
+        self.kv_usage = sample.get("kv_usage", self.kv_usage)
         self.load_at = now
         self.unseen = self.unseen_tokens = 0
         deltas: dict[str, float] = {}
@@ -172,8 +194,10 @@ class ReplicaSet:
         on_metrics: Callable[[Replica, dict[str, float]], None] | None = None,
         on_geometry: Callable[[Replica], bool] | None = None,
         on_change: Callable[[Replica], None] | None = None,
+        new_client: Callable[[], httpx.AsyncClient] | None = None,
     ) -> None:
-        self.client = client
+        self.client = client  # health and load readings
+        self._new_client = new_client  # each replica's pool for requests (else ``client``)
         self.health_interval_s = health_interval_s
         self.load_interval_s = load_interval_s
         self.replicas: dict[str, Replica] = {}
@@ -181,6 +205,7 @@ class ReplicaSet:
         self._on_geometry = on_geometry
         self._on_change = on_change
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -190,7 +215,8 @@ class ReplicaSet:
         url = normalize_url(url)
         if url in self.replicas:
             return self.replicas[url]
-        replica = self.replicas[url] = Replica(url)
+        pool = self._new_client() if self._new_client is not None else self.client
+        replica = self.replicas[url] = Replica(url, pool)
         await self.check_health(replica)
         tasks = [asyncio.create_task(self._health_loop(replica))]
         if self.load_interval_s is not None:
@@ -205,11 +231,29 @@ class ReplicaSet:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if replica is not None and replica.client is not self.client:
+            # Its open requests finish on their connections; then the pool closes.
+            task = asyncio.create_task(self._close_pool(replica))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         return replica
 
+    @staticmethod
+    async def _close_pool(replica: Replica, poll_s: float = 1.0) -> None:
+        while replica.in_flight:
+            await asyncio.sleep(poll_s)
+        assert replica.client is not None
+        await replica.client.aclose()
+
     async def close(self) -> None:
+        replicas = list(self.replicas.values())
         for url in list(self.replicas):
             await self.remove(url)
+        for task in list(self._closing):
+            task.cancel()
+        for replica in replicas:
+            if replica.client is not None and replica.client is not self.client:
+                await replica.client.aclose()
 
     def mark_failed(self, replica: Replica, reason: str) -> None:
         """A forwarded request could not reach the replica: out until its health check passes."""
@@ -223,6 +267,7 @@ class ReplicaSet:
         replica.healthy = ok
         if not ok:
             replica.down.set()  # its open requests give up on it (see the router)
+            replica.has_load = None  # what comes back may be another server
         elif replica.down.is_set():
             replica.down = asyncio.Event()
         if changed and self._on_change is not None:
@@ -233,7 +278,8 @@ class ReplicaSet:
             ok = (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
             if ok:
                 new = replica.geometry is None
-                await self.read_metrics(replica)
+                if new or time.monotonic() - replica.metrics_at >= METRICS_INTERVAL_S:
+                    await self.read_metrics(replica)
                 if replica.geometry is None:  # a server without vllm:cache_config_info
                     replica.geometry = CacheGeometry(16, "sha256")
                 if new and self._on_geometry is not None:
@@ -253,9 +299,34 @@ class ReplicaSet:
             labels = parse_cache_config(text)
             if labels is not None:
                 replica.geometry = CacheGeometry.from_labels(labels)
-        deltas = replica.update_load(parse_load(text), time.monotonic())
+        replica.metrics_at = now = time.monotonic()
+        deltas = replica.update_load(parse_load(text), now)
         if self._on_metrics is not None:
             self._on_metrics(replica, deltas)
+
+    async def read_load(self, replica: Replica) -> None:
+        """One load reading: ``/load`` where the replica has ours, else ``/metrics``; and
+        ``/metrics`` anyway once ``METRICS_INTERVAL_S`` passed since it was last read."""
+        if replica.has_load is None:
+            replica.has_load = await self._load_sample(replica) is not None
+        if not replica.has_load or time.monotonic() - replica.metrics_at >= METRICS_INTERVAL_S:
+            await self.read_metrics(replica)
+        elif (sample := await self._load_sample(replica)) is not None:
+            replica.update_load(sample, time.monotonic())
+
+    async def _load_sample(self, replica: Replica) -> dict[str, float] | None:
+        """``GET /load`` as ours answers it (vLLM's has only ``server_load``: None)."""
+        r = await self.client.get(f"{replica.url}/load", timeout=5.0)
+        try:
+            body = r.json() if r.status_code == 200 else None
+        except ValueError:
+            return None
+        if not isinstance(body, dict):
+            return None
+        waiting, running = body.get("num_requests_waiting"), body.get("num_requests_running")
+        if not (isinstance(waiting, int | float) and isinstance(running, int | float)):
+            return None
+        return {"waiting": float(waiting), "running": float(running)}
 
     async def _health_loop(self, replica: Replica) -> None:
         while True:
@@ -265,10 +336,11 @@ class ReplicaSet:
     async def _load_loop(self, replica: Replica) -> None:
         assert self.load_interval_s is not None
         while True:
-            await asyncio.sleep(self.load_interval_s)
+            fast = not replica.has_load or replica.unseen or replica.outside_traffic()
+            await asyncio.sleep(self.load_interval_s if fast else METRICS_INTERVAL_S)
             if replica.healthy:
                 with contextlib.suppress(httpx.HTTPError, OSError):
-                    await self.read_metrics(replica)
+                    await self.read_load(replica)
 
 
 def normalize_url(url: str) -> str:
