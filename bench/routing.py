@@ -309,8 +309,10 @@ def scale_policy(policy: str, rates: list[float], requests: int, speed: float, t
             model = _model(servers[0].url)
             names = ("vllm:generation_tokens_total", "vllm:prefix_cache_hits_total",
                      "vllm:prefix_cache_queries_total", "vllm:request_prefill_kv_computed_tokens_sum")  # fmt: skip
+            popen = router.proc.popen if isinstance(router, SglangRouter) else router.popen
             for k, rate in enumerate(rates):
                 before = [_sum(servers, n) for n in names]
+                cpu0 = _cpu_seconds(popen.pid)
                 ttfts, elapsed, peak = asyncio.run(measure_rate(
                     servers, router.url, model, rate, requests, speed, tenants,
                     f"[{policy}] ", k, max_tokens,
@@ -322,13 +324,15 @@ def scale_policy(policy: str, rates: list[float], requests: int, speed: float, t
                        "ttft_p50_s": float(np.percentile(ttfts, 50)),
                        "ttft_p90_s": float(np.percentile(ttfts, 90)), "peak_waiting": peak,
                        "hit_rate": hits / max(queries, 1.0),
-                       "prefill_tokens_per_request": computed / requests}  # fmt: skip
+                       "prefill_tokens_per_request": computed / requests,
+                       "router_cpu_ms_per_request": 1e3 * (_cpu_seconds(popen.pid) - cpu0) / requests}  # fmt: skip
                 if policy == "cost":  # requests it sent to copy a hot prefix (cumulative)
                     row["hot_copies"] = router.metrics().get("router:hot_prefix_copies", 0.0)
                 rows.append(row)
                 print(f"{policy:>18} {rate:>6g} {row['output_tok_s']:>9.0f} "
                       f"{row['ttft_p50_s']:>9.2f} {row['ttft_p90_s']:>9.2f} {peak:>8.0f} "
-                      f"{100 * row['hit_rate']:>7.1f}% {row['prefill_tokens_per_request']:>8.0f}",
+                      f"{100 * row['hit_rate']:>7.1f}% {row['prefill_tokens_per_request']:>8.0f} "
+                      f"{row['router_cpu_ms_per_request']:>9.1f}",
                       flush=True)  # fmt: skip
         finally:
             log = Path(router.log.name if hasattr(router, "log") else router.proc.log.name)
@@ -338,20 +342,36 @@ def scale_policy(policy: str, rates: list[float], requests: int, speed: float, t
     return rows
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and its children so far."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def plot_scale(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pts = [r for r in rows if r["policy"] == policy]
         x = [r["request_rate"] for r in pts]
         a.plot(x, [r["output_tok_s"] for r in pts], marker="o", label=policy)
         b.plot(x, [r["ttft_p90_s"] for r in pts], marker="o", label=policy)
+        c.plot(x, [100 * r.get("hit_rate", 0.0) for r in pts], marker="o", label=policy)
     a.set(xlabel="requests/s", ylabel="output tok/s", title="throughput")
     b.set(xlabel="requests/s", ylabel="TTFT P90 (s)", title="TTFT P90", yscale="log")
+    c.set(xlabel="requests/s", ylabel="prefix-token hit rate (%)", title="cache hits")
     a.legend(fontsize=8)
     fig.suptitle("8 simulated H200 replicas, Llama-3-8B, 150 tenants x 6k-token contexts")
     fig.tight_layout()
@@ -406,7 +426,7 @@ def main() -> int:
     if args.experiment == "scale":
         policies = [*args.policies, *(["sglang_cache_aware"] if args.sglang else [])]
         print(f"{'policy':>18} {'rate':>6} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-              f"{'waiting':>8} {'hits':>8} {'computed':>8}", flush=True)  # fmt: skip
+              f"{'waiting':>8} {'hits':>8} {'computed':>8} {'router ms':>9}", flush=True)  # fmt: skip
         for policy in policies:
             rows += scale_policy(policy, args.rates, args.requests, args.sim_speed, args.tenants,
                                  args.max_tokens, args.sglang)  # fmt: skip

@@ -101,14 +101,14 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
         # A request admitted just before registers with the frontend a few loop
         # turns later (its handler's task): give it that time to be counted.
         await asyncio.sleep(0.2)
-        while frontend.num_running and asyncio.get_running_loop().time() < deadline:
+        while frontend.num_live and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        if frontend.num_running:
-            logger.warning("shutdown timeout: aborting %d requests", frontend.num_running)
+        if frontend.num_live:
+            logger.warning("shutdown timeout: aborting %d requests", frontend.num_live)
             await frontend.abort(frontend.live_request_ids())
             # Let the abort deltas reach the clients; a CPU step in flight can take seconds.
             abort_deadline = asyncio.get_running_loop().time() + 10
-            while frontend.num_running and asyncio.get_running_loop().time() < abort_deadline:
+            while frontend.num_live and asyncio.get_running_loop().time() < abort_deadline:
                 await asyncio.sleep(0.05)
         server.should_exit = True
 

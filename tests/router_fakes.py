@@ -66,6 +66,7 @@ class FakeReplica:
         self.running = self.waiting = 0.0
         self.prefill = (0.0, 0.0)  # seconds, tokens (sums)
         self.has_load = False  # answers GET /load as ours does (else 404, as vLLM's mostly)
+        self.load_body: Any = None  # what /load answers instead, when set
         self.reads: dict[str, int] = {"/load": 0, "/metrics": 0}
         self.thread = ServerThread(self.app())
         self.url = self.thread.url
@@ -83,6 +84,10 @@ class FakeReplica:
         @app.get("/load")
         async def load() -> Response:
             self.reads["/load"] += 1
+            if isinstance(self.load_body, str):  # raw text: not JSON, or JSON's NaN
+                return Response(self.load_body, media_type="application/json")
+            if self.load_body is not None:
+                return JSONResponse(self.load_body)
             if not self.has_load:
                 return Response(status_code=404)
             return JSONResponse({"server_load": self.running + self.waiting,

@@ -151,7 +151,7 @@ def test_engine_death_fails_live_requests(server, http):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(http.post, "/v1/completions", json=body)
         deadline = time.monotonic() + 5
-        while frontend.num_running == 0 and time.monotonic() < deadline:
+        while frontend.num_live == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         # The launcher's notice travels on the api_server's own input socket.
         with PushSocket[ApiServerInput](frontend.endpoints.outputs, ApiServerInput) as launcher:

@@ -68,7 +68,7 @@ def test_engine_dead_right_after_a_tokenize_result(endpoints):
             await asyncio.wait_for(generate, 5)
         assert err.value.status == 503
         assert front._recv_task is not None and not front._recv_task.done()
-        assert front.num_running == 0
+        assert front.num_live == 0
         for sock in (tokenizer, back):
             sock.close()
         await front.close()
@@ -91,7 +91,7 @@ def test_engine_dead_while_a_send_waits_for_a_tokenizer(endpoints):
         with pytest.raises(EngineRequestError) as err:
             await asyncio.wait_for(generate, 5)
         assert err.value.status == 503
-        assert front.num_running == 0 and front.num_waiting == 0
+        assert front.num_live == 0 and front.num_waiting == 0
         tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
         assert tokenizer.recv(timeout_ms=300) is None  # the cancelled send never went out
         for sock in (tokenizer, back):
@@ -173,3 +173,15 @@ def test_scheduler_input_thread_survives_a_bad_frame():
             assert core._inputs.get(timeout=5) == Abort(["r1"])
         assert thread.is_alive()
         raw.close()
+
+
+def test_tokenize_calls_are_no_engine_load() -> None:
+    """/load's counts are engine requests: a router's /tokenize calls are not waiting ones."""
+    front = EngineFrontend(FrontendEndpoints("a", "b", ("c",)), max_model_len=8)
+    q: asyncio.Queue = asyncio.Queue()
+    front._register("tok-1", q, 0, generates=False)
+    front._register("gen-1", q, 0)
+    assert (front.num_live, front.num_in_flight, front.num_waiting) == (2, 1, 1)
+    front._release("tok-1")
+    front._release("gen-1")
+    assert (front.num_live, front.num_in_flight, front.num_waiting) == (0, 0, 0)

@@ -337,8 +337,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     async def load() -> JSONResponse:
         """This server's load as its front end sees it, for routers that poll often (the
         full ``/metrics`` merges every process's series). ``server_load`` is vLLM's field
-        (requests in flight); waiting = no output yet (queued or in prefill)."""
-        live, waiting = frontend.num_running, frontend.num_waiting
+        (requests in flight); waiting = no output yet (queued or in prefill). Engine
+        requests only: a ``/tokenize`` call (a router's, say) is no load on the engine."""
+        live, waiting = frontend.num_in_flight, frontend.num_waiting
         return JSONResponse({"server_load": live, "num_requests_waiting": waiting,
                              "num_requests_running": live - waiting})  # fmt: skip
 

@@ -60,6 +60,7 @@ class _Live:
     queue: asyncio.Queue[tuple[int, TextDelta | RequestError | TokenizeResult | DetokenizeResult]]
     index: int
     waiting: bool = True  # no output yet: counts against max_num_queued_reqs
+    generates: bool = True  # an engine request (not a tokenize or detokenize call)
 
 
 class EngineFrontend:
@@ -80,6 +81,7 @@ class EngineFrontend:
         self.draining = False
         self._live: dict[str, _Live] = {}
         self._num_waiting = 0
+        self._num_generating = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._recv_task: asyncio.Task[None] | None = None
         self._dead = asyncio.Event()  # ``errored``; also wakes sends waiting for a tokenizer
@@ -102,8 +104,14 @@ class EngineFrontend:
         return self._num_waiting
 
     @property
-    def num_running(self) -> int:
+    def num_live(self) -> int:
+        """Everything awaiting the engine: requests and tokenize/detokenize calls."""
         return len(self._live)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests sent and not finished (waiting or running; tokenize calls not)."""
+        return self._num_generating
 
     def live_request_ids(self) -> list[str]:
         return list(self._live)
@@ -161,12 +169,18 @@ class EngineFrontend:
         live = self._live.get(req_id)
         if live is None:
             return  # aborted or finished already: late output is dropped
-        if live.waiting:
+        if live.waiting and live.generates:
             live.waiting = False
             self._num_waiting -= 1
         live.queue.put_nowait((live.index, item))
 
-    def _register(self, req_id: str, queue: asyncio.Queue, index: int) -> None:  # type: ignore[type-arg]
+    def _register(
+        self,
+        req_id: str,
+        queue: asyncio.Queue,  # type: ignore[type-arg]
+        index: int,
+        generates: bool = True,
+    ) -> None:
         if self.errored:
             # Admitted just before EngineDead arrived: fail_all could not see it,
             # and no output will ever come for it.
@@ -175,13 +189,15 @@ class EngineFrontend:
             raise EngineRequestError(
                 400, f"request id {req_id!r} is already in use", "BadRequestError"
             )
-        self._live[req_id] = _Live(queue, index)
-        self._num_waiting += 1
+        self._live[req_id] = _Live(queue, index, waiting=generates, generates=generates)
+        self._num_waiting += generates
+        self._num_generating += generates
 
     def _release(self, req_id: str) -> None:
         live = self._live.pop(req_id, None)
-        if live is not None and live.waiting:
-            self._num_waiting -= 1
+        if live is not None and live.generates:
+            self._num_waiting -= live.waiting
+            self._num_generating -= 1
 
     async def generate(
         self,
@@ -256,7 +272,7 @@ class EngineFrontend:
         self, req: TokenizeRequest | DetokenizeRequest
     ) -> TokenizeResult | DetokenizeResult:
         queue: asyncio.Queue = asyncio.Queue()  # type: ignore[type-arg]
-        self._register(req.req_id, queue, 0)
+        self._register(req.req_id, queue, 0, generates=False)
         try:
             await self._send(req)
             _, item = await queue.get()

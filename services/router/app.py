@@ -21,6 +21,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -281,6 +282,7 @@ class Router:
         r = d.replica
         uncached = max(req.prompt_tokens - d.cached_blocks * req.block_size, 0)
         r.in_flight += 1
+        r.whole_open += not req.stream
         if req.stream:
             r.pending += 1
             r.pending_tokens += uncached
@@ -372,6 +374,7 @@ class Router:
         if not req.first_byte_seen:
             self._first_byte(req, replica, uncached)
         replica.in_flight -= 1
+        replica.whole_open -= not req.stream
         if not req.stream:  # it never reached the replica's queue
             replica.unseen = max(replica.unseen - 1, 0)
             replica.unseen_tokens = max(replica.unseen_tokens - uncached, 0)
@@ -382,6 +385,8 @@ class Router:
         """Send to ``replica`` and wait for its first byte; then commit to it."""
         sent = time.perf_counter()
         client = replica.client or self.client
+        if client.is_closed:  # removed (and its pool closed) while this request waited
+            raise _Upstream("the replica was removed")
         upstream = client.build_request("POST", replica.url + path, content=raw, headers=headers)
         try:
             resp = await self._until_down(client.send(upstream, stream=True), replica)
@@ -454,6 +459,7 @@ class Router:
                 done = True
                 watch.cancel()
                 replica.in_flight -= 1
+                replica.whole_open -= not req.stream
                 self.policy.done(req)
                 await resp.aclose()
 
@@ -502,19 +508,49 @@ class Router:
                                       "ServiceUnavailableError")  # fmt: skip
             replica = self.policy.least_busy(candidates)
             client = replica.client or self.client
+            if client.is_closed:
+                tried.add(replica.url)
+                continue
             upstream = client.build_request(
                 request.method, replica.url + path, content=raw, headers=headers,
                 params=request.query_params,
             )  # fmt: skip
+            replica.in_flight += 1  # (its pool stays open until this answer is through)
             try:
                 resp = await client.send(upstream, stream=True)
             except httpx.TransportError as e:
+                replica.in_flight -= 1
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
                 tried.add(replica.url)
                 continue
-            keep = {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
-            return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=keep,
-                                     background=BackgroundTask(resp.aclose))  # fmt: skip
+            except BaseException:
+                replica.in_flight -= 1
+                raise
+
+            return self._relay(resp, replica)
+
+    @staticmethod
+    def _relay(resp: httpx.Response, replica: Replica) -> Response:
+        """A passed-through answer, streamed as it comes; the replica's request ends once."""
+        done = False
+
+        async def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                replica.in_flight -= 1
+                await resp.aclose()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            finally:  # the client may have left: the background task would not run then
+                await release()
+
+        keep = {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
+        return StreamingResponse(body(), status_code=resp.status_code, headers=keep,
+                                 background=BackgroundTask(release))  # fmt: skip
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
@@ -574,16 +610,18 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with Router.new_client() as client:
             router = state["router"] = Router(config, client)
-            for url in config.backends:
-                await router.add_replica(url)
-            if router.refused:
-                # Started with replicas whose hashes differ: no index could serve them all.
-                why = "; ".join(f"{u}: {w}" for u, w in router.refused.items())
-                log.error("refusing to start: %s", why)
-                raise RuntimeError(why)
-            yield
-            await router.replicas.close()
-            await router.follower.close()
+            try:
+                for url in config.backends:
+                    await router.add_replica(url)
+                if router.refused:
+                    # Started with replicas whose hashes differ: no index could serve them all.
+                    why = "; ".join(f"{u}: {w}" for u, w in router.refused.items())
+                    log.error("refusing to start: %s", why)
+                    raise RuntimeError(why)
+                yield
+            finally:
+                await router.replicas.close()
+                await router.follower.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -671,7 +709,8 @@ def build_app(config: RouterConfig) -> FastAPI:
 def run_router(config: RouterConfig) -> int:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = os.environ.get("ACTORSERVE_LOGGING_LEVEL", "INFO").upper()  # as the server's
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(config)
     uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level)

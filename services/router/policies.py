@@ -49,17 +49,25 @@ hash the prompt first.
   ``DEFAULT_B_S``. Non-streaming requests are routed the same way but teach the model
   nothing (their first byte is their last).
   ``cached(r)``: leading blocks the replica holds (its KV events where it publishes them,
-  the router's own record elsewhere). Estimates within 1 ms of the best go to the fewest
-  in flight.
+  the router's own record elsewhere). Costs (below) within 1 ms of the best go to the
+  fewest in flight.
 
-  The replica chosen is the one with the least ``ttft(r) + b(r) * u(r)``: the request's
-  own wait, and the time its uncached tokens keep the replica busy, which every request
-  arriving behind it there waits too. Without that second term a miss that costs this
-  request no more than the holder's queue looked free, though it adds a prefill to the
-  fleet: with 150 tenants on eight replicas, the TTFT alone scattered 20 % of the requests
-  off the replicas holding their context and lost 15 % of the throughput at 100 req/s to
-  recomputation (``bench/routing.py scale``). It makes a miss count twice its compute
-  time, so affinity wins until the holder's queue is worth two recomputations.
+  The replica chosen is the one with the least ``ttft(r) + MISS_WORK * b(r) * u(r)``: the
+  request's own wait, and what its uncached tokens cost the others. Computing them keeps
+  the replica busy for ``b * u``, which every request arriving behind it there waits too;
+  and once its cache is full (a fleet's steady state) storing them evicts as many tokens
+  of another prefix, which its next request recomputes: ``MISS_WORK`` = 2. Without the
+  term a miss that costs this request no more than the holder's queue looked free: with
+  150 tenants on eight simulated H200s the TTFT alone scattered 20 % of the requests off
+  the replicas holding their context and lost 15 % of the throughput at 100 req/s to
+  recomputation; with the first term alone 8 % still missed, and the copies they made
+  evicted other tenants (``bench/routing.py scale``, bench/RESULTS.md). A miss counts
+  three times its compute time, so affinity wins until the holder's queue is worth that.
+  And a miss is priced at no less than the fleet's median ``b``: a replica's ``b`` fitted
+  low (it is told apart from ``a`` only as far as queues mix short and long prompts; on
+  that workload one of eight alike replicas fitted 2.5e-5 s a token against 1.8e-4 for
+  the others) would otherwise draw misses it computes no faster. Underestimating a miss
+  scatters prefixes and evicts; overestimating one costs a little balance.
 
   One formula weighs affinity against load. On top, a hot prefix is copied deliberately:
   when the cheapest replica holds the prompt's prefix and its queueing part ``a * n``
@@ -76,6 +84,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import logging
 import math
 import random
 import time
@@ -88,9 +97,12 @@ from services.router.prefix_index import ApproxPrefixIndex
 from services.router.replicas import Replica
 from services.scheduler.block_hash import BlockHash
 
+log = logging.getLogger("actorserve.router")
+
 DEFAULT_A_S = 0.01  # seconds per request ahead, before any replica was measured
 DEFAULT_B_S = 1e-3  # seconds per prompt token to compute (a CPU's order)
 FORGET = 0.95
+MISS_WORK = 2.0  # a miss's cost to the others, in its compute times (see above)
 MIN_SAMPLES = 4
 _TIE_S = 1e-3
 
@@ -341,21 +353,34 @@ class LatencyModel:
         p = self.p
         pf = [sum(p[i][j] * f[j] for j in range(3)) for i in range(3)]  # P f (P symmetric)
         denom = FORGET + sum(f[i] * pf[i] for i in range(3))
-        k = [v / denom for v in pf]
         err = y - sum(t * v for t, v in zip(self.theta, f, strict=True))
-        # Projected onto c, a, b >= 0 (a negative cost means nothing; left free, a direction
-        # the requests do not tell apart, c against b for one prompt length, would drift
-        # into one negative coefficient that the estimate would then have to clamp).
-        self.theta = [max(t + g * err, 0.0) for t, g in zip(self.theta, k, strict=True)]
-        p = [[p[i][j] - k[i] * pf[j] for j in range(3)] for i in range(3)]
-        # Forget only while the covariance stays within its start (bounded forgetting): a
-        # direction the requests never excite would otherwise grow by 1/FORGET per request
-        # until the numbers overflow.
-        if all(p[i][i] * FORGET < self.p0[i] for i in range(3)):
-            p = [[v / FORGET for v in row] for row in p]
-        if not all(math.isfinite(v) for v in (*self.theta, *p[0], *p[1], *p[2])):
-            self.theta, p = list(self.theta0), self._start_p()
-        self.p = p
+        theta = [t + pf[i] / denom * err for i, t in enumerate(self.theta)]
+        # P <- (P - P f f^T P / denom) / FORGET, written so that P[i][j] and P[j][i] are
+        # the same float (k[i] * pf[j] and k[j] * pf[i] round differently; the difference
+        # would grow by 1/FORGET a request until P is no longer a covariance).
+        p = [[(p[i][j] - pf[i] * pf[j] / denom) / FORGET for j in range(3)] for i in range(3)]
+        # Bounded forgetting, per direction: a variance the requests do not shrink (``a``
+        # while nobody is ever ahead) would otherwise grow by 1/FORGET per request until
+        # the numbers overflow. P <- D P D keeps it a covariance.
+        if all(math.isfinite(v) and v > 0 for v in (p[0][0], p[1][1], p[2][2])):
+            d = [min(1.0, math.sqrt(self.p0[i] / p[i][i])) for i in range(3)]
+            p = [[p[i][j] * d[i] * d[j] for j in range(3)] for i in range(3)]
+        else:
+            p = self._start_p()
+        # Kept >= 0 (a negative cost means nothing; a direction the requests do not tell
+        # apart, c against b for one prompt length, would drift into a negative coefficient),
+        # projected in P's metric so that the others take up what it cannot.
+        for _ in range(3):
+            if all(t >= 0 for t in theta):
+                break
+            for i in range(3):
+                if theta[i] < 0:
+                    theta = [t - p[j][i] * theta[i] / p[i][i] for j, t in enumerate(theta)]
+                    theta[i] = 0.0
+        theta = [max(t, 0.0) for t in theta]
+        if not all(math.isfinite(v) for v in (*theta, *p[0], *p[1], *p[2])):
+            theta, p = list(self.theta0), self._start_p()
+        self.theta, self.p = theta, p
         self.samples += 1
 
     @property
@@ -423,10 +448,14 @@ class CostPolicy(Policy):
     def cost(
         self, req: RouteRequest, r: Replica, cached: int, replicas: Sequence[Replica]
     ) -> float:
-        """The TTFT there, and the time its uncached tokens keep the replica busy."""
-        _, _, b = self.coefficients(r, replicas)
-        uncached = max(req.prompt_tokens - cached * req.block_size, 0)
-        return self.estimate(req, r, cached, replicas) + b * uncached
+        """The TTFT there, and what its uncached tokens cost the others (see above); those
+        tokens at no less than the fleet's median seconds per token (see above)."""
+        c, a, b = self.coefficients(r, replicas)
+        fleet = sorted(self.coefficients(x, replicas)[2] for x in replicas)
+        b_miss = max(b, fleet[len(fleet) // 2])
+        n, t = self.ahead(r)
+        uncached = max(req.prompt_tokens - cached * req.block_size, 1)
+        return c + a * n + b * t + (1 + MISS_WORK) * b_miss * uncached
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
@@ -444,6 +473,13 @@ class CostPolicy(Policy):
         if chosen.url not in self.models:  # learning starts from what is known of it now
             self.models[chosen.url] = LatencyModel(*self.prior(chosen, replicas))
         ttft = self.estimate(req, chosen, matched[chosen.url], replicas)
+        if log.isEnabledFor(logging.DEBUG) and matched[chosen.url] < max(matched.values()):
+            log.debug("cost: a miss on %s (%s); costs %s, (n, t) %s, (c, a, b) %s",
+                      chosen.url, matched,
+                      {u: round(v, 4) for u, v in costs.items()},
+                      {r.url: self.ahead(r) for r in replicas},
+                      {r.url: tuple(round(v, 6) for v in self.coefficients(r, replicas))
+                       for r in replicas})  # fmt: skip
         return Decision(chosen, matched[chosen.url], ttft)
 
     def _copy_if_hot(self, holder: Replica, matched: dict[str, int], costs: dict[str, float],

@@ -70,7 +70,7 @@ class PromptTokenizer:
             return None
         if self._processor is not None:
             return await asyncio.to_thread(self._local, chat, body)
-        if via is None or via.client is None:
+        if via is None or via.client is None or via.client.is_closed:
             return None
         return await self._remote(chat, body, via.client, via.url)
 
@@ -120,6 +120,6 @@ class PromptTokenizer:
             if r.status_code != 200:
                 return None
             tokens = r.json().get("tokens")
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, ValueError, AttributeError, RuntimeError):  # (closed pool)
             return None
         return tokens if isinstance(tokens, list) else None

@@ -29,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeGuard
 
 import httpx
 
@@ -106,7 +108,7 @@ class CacheGeometry:
         return (self.block_size, self.hash_algo) == (other.block_size, other.hash_algo)
 
 
-@dataclass
+@dataclass(eq=False)  # one per server: compared (and hashed) by identity
 class Replica:
     """One backend server and everything the router knows of it."""
 
@@ -119,6 +121,7 @@ class Replica:
     in_flight: int = 0
     pending: int = 0  # streaming requests before their first byte
     pending_tokens: int = 0  # and their uncached prompt tokens
+    whole_open: int = 0  # non-streaming requests open (their first byte is their last)
     unseen: int = 0  # non-streaming requests sent since the last load reading
     unseen_tokens: int = 0  # (after it, the replica's waiting count includes them)
     # The replica's reported load (``/metrics``) and when it was read (monotonic seconds).
@@ -135,6 +138,12 @@ class Replica:
     failures: int = 0
     admitted: bool = True  # False: its block hashes differ from the router's, kept out
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it leaves rotation
+
+    def needs_fast_reading(self) -> bool:
+        """Read every load interval: no ``/load`` (vLLM: its ``/metrics`` is its load), a
+        whole answer of the router's open (its count is unknown once it started), or
+        requests the router did not send."""
+        return not self.has_load or self.whole_open > 0 or self.outside_traffic()
 
     def outside_traffic(self) -> bool:
         """Did the last reading show requests the router did not send (or not see start)?
@@ -206,6 +215,7 @@ class ReplicaSet:
         self._on_change = on_change
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._retired: set[Replica] = set()  # removed, their pools not closed yet
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -233,26 +243,39 @@ class ReplicaSet:
                 await task
         if replica is not None and replica.client is not self.client:
             # Its open requests finish on their connections; then the pool closes.
+            self._retired.add(replica)
             task = asyncio.create_task(self._close_pool(replica))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         return replica
 
-    @staticmethod
-    async def _close_pool(replica: Replica, poll_s: float = 1.0) -> None:
-        while replica.in_flight:
-            await asyncio.sleep(poll_s)
-        assert replica.client is not None
-        await replica.client.aclose()
+    async def _close_pool(self, replica: Replica) -> None:
+        """Close a removed replica's pool once its requests are through; while they are not,
+        keep checking its health: if it fails, they give up on it (``down``)."""
+        try:
+            while replica.in_flight:
+                await asyncio.sleep(self.health_interval_s)
+                if replica.in_flight and not await self._answers_health(replica):
+                    replica.down.set()
+        finally:
+            self._retired.discard(replica)
+            if replica.client is not None:
+                await replica.client.aclose()
+
+    async def _answers_health(self, replica: Replica) -> bool:
+        try:
+            return (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
+        except (httpx.HTTPError, OSError):
+            return False
 
     async def close(self) -> None:
-        replicas = list(self.replicas.values())
         for url in list(self.replicas):
             await self.remove(url)
         for task in list(self._closing):
             task.cancel()
-        for replica in replicas:
-            if replica.client is not None and replica.client is not self.client:
+        for replica in list(self._retired):  # (each task's own close may not have run)
+            self._retired.discard(replica)
+            if replica.client is not None:
                 await replica.client.aclose()
 
     def mark_failed(self, replica: Replica, reason: str) -> None:
@@ -275,7 +298,7 @@ class ReplicaSet:
 
     async def check_health(self, replica: Replica) -> None:
         try:
-            ok = (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
+            ok = await self._answers_health(replica)
             if ok:
                 new = replica.geometry is None
                 if new or time.monotonic() - replica.metrics_at >= METRICS_INTERVAL_S:
@@ -300,7 +323,11 @@ class ReplicaSet:
             if labels is not None:
                 replica.geometry = CacheGeometry.from_labels(labels)
         replica.metrics_at = now = time.monotonic()
-        deltas = replica.update_load(parse_load(text), now)
+        sample = parse_load(text)
+        if replica.has_load:  # /load's waiting (no first token yet) is the one to keep:
+            sample.pop("waiting", None)  # the scheduler's excludes requests in prefill
+            sample.pop("running", None)
+        deltas = replica.update_load(sample, now)
         if self._on_metrics is not None:
             self._on_metrics(replica, deltas)
 
@@ -313,6 +340,9 @@ class ReplicaSet:
             await self.read_metrics(replica)
         elif (sample := await self._load_sample(replica)) is not None:
             replica.update_load(sample, time.monotonic())
+        else:  # no longer ours (restarted as another server?): ask again next time
+            replica.has_load = None
+            await self.read_metrics(replica)
 
     async def _load_sample(self, replica: Replica) -> dict[str, float] | None:
         """``GET /load`` as ours answers it (vLLM's has only ``server_load``: None)."""
@@ -324,7 +354,7 @@ class ReplicaSet:
         if not isinstance(body, dict):
             return None
         waiting, running = body.get("num_requests_waiting"), body.get("num_requests_running")
-        if not (isinstance(waiting, int | float) and isinstance(running, int | float)):
+        if not (_count(waiting) and _count(running)):
             return None
         return {"waiting": float(waiting), "running": float(running)}
 
@@ -336,11 +366,21 @@ class ReplicaSet:
     async def _load_loop(self, replica: Replica) -> None:
         assert self.load_interval_s is not None
         while True:
-            fast = not replica.has_load or replica.unseen or replica.outside_traffic()
+            fast = replica.needs_fast_reading()
             await asyncio.sleep(self.load_interval_s if fast else METRICS_INTERVAL_S)
             if replica.healthy:
                 with contextlib.suppress(httpx.HTTPError, OSError):
                     await self.read_load(replica)
+
+
+def _count(value: Any) -> TypeGuard[float]:
+    """A request count as JSON can write one (not a bool, NaN, infinite or negative)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 def normalize_url(url: str) -> str:
