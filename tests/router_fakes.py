@@ -67,6 +67,7 @@ class FakeReplica:
         self.prefill = (0.0, 0.0)  # seconds, tokens (sums)
         self.has_load = False  # answers GET /load as ours does (else 404, as vLLM's mostly)
         self.load_body: Any = None  # what /load answers instead, when set
+        self.reply_headers: dict[str, str] = {}  # added to whole answers (latin-1 on the wire)
         self.reads: dict[str, int] = {"/load": 0, "/metrics": 0}
         self.thread = ServerThread(self.app())
         self.url = self.thread.url
@@ -135,7 +136,7 @@ class FakeReplica:
                           {"index": 0, "text": text, "finish_reason": "length"})  # fmt: skip
                 obj = "chat.completion" if chat else "text_completion"
                 return JSONResponse({"id": "x", "object": obj, "created": 0, "model": "fake",
-                                     "choices": [choice]})  # fmt: skip
+                                     "choices": [choice]}, headers=self.reply_headers)  # fmt: skip
 
             async def events():  # noqa: ANN202
                 for i, w in enumerate(words):

@@ -363,6 +363,12 @@ def test_admin_endpoint_adds_and_removes_backends(replicas) -> None:  # noqa: AN
         for _ in range(2):
             httpx.post(router.url + "/v1/completions", json={"model": "fake", "prompt": "x"})
         assert _served_by(replicas) == [2, 4]
+        # /admin is the router's own: other methods and paths are refused, never passed on
+        put = httpx.put(url, json={"url": replicas[0].url}, headers=auth)
+        assert put.status_code == 405 and put.headers["allow"] == "GET, POST, DELETE"
+        assert httpx.get(router.url + "/admin/nope", headers=auth).status_code == 404
+        assert httpx.get(router.url + "/admin/nope").status_code == 401
+        assert _served_by(replicas) == [2, 4]
     finally:
         router.stop()
 
@@ -648,3 +654,15 @@ def test_odd_load_answers_fall_back_to_metrics(replicas) -> None:  # noqa: ANN00
     assert not r.needs_fast_reading()
     r.whole_open = 1  # a whole answer open: its place in the queue is unknown
     assert r.needs_fast_reading()
+
+
+def test_replica_headers_pass_byte_for_byte(replicas, router_for) -> None:  # noqa: ANN001
+    """A header value that is UTF-8 on the wire (not latin-1 text) reaches the client as sent,
+    not as a 500 (httpx decodes it as UTF-8; Starlette encodes headers as latin-1)."""
+    euro = "€".encode().decode("latin-1")  # the three bytes of UTF-8's euro sign
+    for r in replicas:
+        r.reply_headers = {"x-note": euro}
+    router = router_for("round_robin")
+    out = httpx.post(router.url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+    assert out.status_code == 200
+    assert out.headers.raw[[k for k, _ in out.headers.raw].index(b"x-note")][1] == "€".encode()

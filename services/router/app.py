@@ -401,7 +401,7 @@ class Router:
         try:
             if resp.status_code in _RETRIED_STATUS:  # the replica cannot serve now
                 content = await resp.aread()
-                keep = {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
+                keep = _reply_headers(resp)
                 raise _Upstream(
                     f"HTTP {resp.status_code}: {content[:200].decode(errors='replace')}",
                     Response(content, status_code=resp.status_code, headers=keep),
@@ -489,7 +489,7 @@ class Router:
         return StreamingResponse(
             body(),
             status_code=resp.status_code,
-            headers={k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP},
+            headers=_reply_headers(resp),
             background=BackgroundTask(finish),
         )
 
@@ -548,7 +548,7 @@ class Router:
             finally:  # the client may have left: the background task would not run then
                 await release()
 
-        keep = {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
+        keep = _reply_headers(resp)
         return StreamingResponse(body(), status_code=resp.status_code, headers=keep,
                                  background=BackgroundTask(release))  # fmt: skip
 
@@ -593,6 +593,13 @@ class Router:
             self.metrics.healthy.labels(r.url).set(1 if r.healthy else 0)
             if r.prefill_s_per_token is not None:
                 self.metrics.prefill_s_per_token.labels(r.url).set(r.prefill_s_per_token)
+
+
+def _reply_headers(resp: httpx.Response) -> dict[str, str]:
+    """A replica's response headers to pass on, byte for byte (latin-1 both ways, as HTTP
+    carries them: a value httpx would decode as UTF-8 could not be encoded back)."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers.raw
+            if k.decode("latin-1").lower() not in _RESPONSE_DROP}  # fmt: skip
 
 
 def _forward_headers(request: Request) -> dict[str, str]:
@@ -698,6 +705,18 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await state["router"].generate(request, "/v1/chat/completions")
+
+    @app.api_route("/admin/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def admin_other(request: Request, rest: str) -> Response:
+        """/admin is the router's own: never passed on to a replica."""
+        if (denied := admin_denied(request)) is not None:
+            return denied
+        if rest == "backends":
+            response = error_response(405, f"{request.method} is not allowed on "
+                                      "/admin/backends", "MethodNotAllowedError")  # fmt: skip
+            response.headers["allow"] = "GET, POST, DELETE"
+            return response
+        return error_response(404, f"no admin endpoint /admin/{rest}", "NotFoundError")
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def other(request: Request, path: str) -> Response:
