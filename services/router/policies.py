@@ -445,21 +445,24 @@ class CostPolicy(Policy):
         n, x = self.features(req, r, cached)
         return c + a * n + b * x
 
-    def cost(
-        self, req: RouteRequest, r: Replica, cached: int, replicas: Sequence[Replica]
-    ) -> float:
+    def median_b(self, replicas: Sequence[Replica]) -> float:
+        fleet = sorted(self.coefficients(x, replicas)[2] for x in replicas)
+        return fleet[len(fleet) // 2]
+
+    def cost(self, req: RouteRequest, r: Replica, cached: int, replicas: Sequence[Replica],
+             median_b: float | None = None) -> float:  # fmt: skip
         """The TTFT there, and what its uncached tokens cost the others (see above); those
         tokens at no less than the fleet's median seconds per token (see above)."""
         c, a, b = self.coefficients(r, replicas)
-        fleet = sorted(self.coefficients(x, replicas)[2] for x in replicas)
-        b_miss = max(b, fleet[len(fleet) // 2])
+        b_miss = max(b, self.median_b(replicas) if median_b is None else median_b)
         n, t = self.ahead(r)
         uncached = max(req.prompt_tokens - cached * req.block_size, 1)
         return c + a * n + b * t + (1 + MISS_WORK) * b_miss * uncached
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
         matched = self.index.matched_blocks(req.lookup, (r.url for r in replicas))
-        costs = {r.url: self.cost(req, r, matched[r.url], replicas) for r in replicas}
+        floor = self.median_b(replicas)  # once per decision, not per replica
+        costs = {r.url: self.cost(req, r, matched[r.url], replicas, floor) for r in replicas}
         costs = {u: c if math.isfinite(c) else math.inf for u, c in costs.items()}
         best = min(costs.values())
         ties = [r for r in replicas if costs[r.url] <= best + _TIE_S]
