@@ -11,7 +11,9 @@ when the last one ends; 128-token prompts, outputs of up to 512 tokens with
   plan (``actorserve:device_seconds_total``); the goal is <= 5 % at 256;
 - scheduler time per step (its own CPU: schedule, update, sends), IPC bytes per step
   (every socket the engine sends on), detokenizer time per step, the api_server's and
-  the client's CPU (share of one core), how busy the machine's cores were, throughput.
+  the client's CPU (share of one core), how busy the machine's cores were, the batch the
+  device really ran (output tokens per step: below the running count when the client is
+  late to send the next request), throughput.
 
     .venv/bin/python -m bench.scale overhead [--running 64 256 1024] [--window 20]
 
@@ -90,10 +92,18 @@ class SimServer(ServerProcess):
 
 
 async def closed_loop(url: str, clients: int, stop: asyncio.Event, max_tokens: int) -> None:
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+    """``clients`` users, each sending its next request when the last one returned.
 
-        async def one(i: int) -> None:
+    Each user has its own one-connection httpx client. With one shared pool of N
+    connections this client took half a core of the 2-core host at N = 256 (0.05 this
+    way), and it was so late with the next requests that the "256 running" device ran
+    batches of ~110: session 7's table measured the client, not the engine.
+    """
+
+    ssl = httpx.create_ssl_context()  # shared: httpx builds one per client otherwise (~45 ms)
+
+    async def one(i: int) -> None:
+        async with httpx.AsyncClient(timeout=None, verify=ssl) as client:
             k = 0
             while not stop.is_set():
                 prompt = [100 + (i * 7919 + k * 104729 + j) % 20000 for j in range(128)]
@@ -103,7 +113,7 @@ async def closed_loop(url: str, clients: int, stop: asyncio.Event, max_tokens: i
                     await client.post(f"{url}/v1/completions", json=body)
                 k += 1
 
-        await asyncio.gather(*(one(i) for i in range(clients)))
+    await asyncio.gather(*(one(i) for i in range(clients)))
 
 
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
@@ -164,6 +174,9 @@ def measure(running: int, async_scheduling: bool, window_s: float, max_tokens: i
                 "machine_cpu_busy": machine,
                 "cores": psutil.cpu_count(),
                 "generation_tok_s": _delta(after, before, "vllm:generation_tokens_total") / wall,
+                # The batch the device really ran: below `running` when the client is late.
+                "tokens_per_step": _delta(after, before, "vllm:generation_tokens_total")
+                / max(steps, 1),
                 "mean_running": after.get("vllm:num_requests_running", 0.0),
             }
 
@@ -364,7 +377,7 @@ def main() -> int:
     rows = []
     header = (f"{'running':>7} {'async':>5} {'idle':>6} {'steps/s':>8} {'step ms':>8} "
               f"{'sched ms':>8} {'IPC KiB':>8} {'detok ms':>8} {'api CPU':>7} {'client':>6} "
-              f"{'CPU busy':>8} {'tok/s':>8}")  # fmt: skip
+              f"{'CPU busy':>8} {'tok/step':>8} {'tok/s':>8}")  # fmt: skip
     print(header, flush=True)
     for running in args.running:
         for mode in modes:
@@ -375,7 +388,7 @@ def main() -> int:
                   f"{r['scheduler_ms_per_step']:>8.2f} {r['ipc_kib_per_step']:>8.1f} "
                   f"{r['detokenizer_ms_per_step']:>8.2f} {r['api_server_cpu']:>7.2f} "
                   f"{r['client_cpu']:>6.2f} {100 * r['machine_cpu_busy']:>7.0f}% "
-                  f"{r['generation_tok_s']:>8.0f}", flush=True)  # fmt: skip
+                  f"{r['tokens_per_step']:>8.0f} {r['generation_tok_s']:>8.0f}", flush=True)  # fmt: skip
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "scale_overhead.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, OUT / "scale_overhead.png")

@@ -21,6 +21,7 @@ import msgspec
 
 from launch.process import watch_parent
 from services.config import ConfigError, ServeConfig
+from services.gc_tuning import freeze_gc
 from services.ipc import report_ready
 from services.logging_utils import init_logger
 
@@ -122,6 +123,7 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
                 serving.result()  # raises what stopped it (e.g. the port is taken)
                 raise SystemExit(1)
             await asyncio.sleep(0.02)
+        freeze_gc()
         report_ready(control, "api_server")
         await serving
 

@@ -20,6 +20,7 @@ import zmq
 from services import clock
 from services.config import ServeConfig
 from services.detokenizer.incremental import IncrementalDetokenizer
+from services.gc_tuning import freeze_gc
 from services.ipc import PullSocket, PushSocket, report_ready
 from services.protocol import (
     ApiServerInput,
@@ -245,6 +246,7 @@ def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
 
     def report_when_bound() -> None:
         bound.wait()
+        freeze_gc()
         report_ready(control_endpoint, "detokenizer")
 
     from services.metrics.process_metrics import detokenizer_time

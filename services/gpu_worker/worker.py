@@ -18,6 +18,7 @@ import zmq
 
 from services import clock
 from services.config import ModelArchConfig, ServeConfig
+from services.gc_tuning import freeze_gc
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed, rank_state
 from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
@@ -71,6 +72,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     device = device_seconds(config, rank, dp_rank)
     device_last = (0.0, 0.0)
     trace = StepTrace.from_env(rank, dp_rank)
+    freeze_gc()
     report_ready(control_endpoint, "worker", num_blocks, rank, dp_rank)
     # The scheduler going away (its process, or node 0 for a rank on another machine)
     # shows as the plan socket's peer disconnecting: end then, never wait forever. Exit 0:

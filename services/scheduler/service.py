@@ -9,7 +9,6 @@ update), then the step's tokens go to the detokenizer in one batch.
 
 from __future__ import annotations
 
-import gc
 import logging
 import queue
 import threading
@@ -18,6 +17,7 @@ import msgspec
 
 from services import clock
 from services.config import ServeConfig
+from services.gc_tuning import freeze_gc
 from services.ipc import PubSocket, PullSocket, PushSocket, report_ready
 from services.logging_utils import init_logger
 from services.metrics.engine_core import EngineCoreMetrics
@@ -207,14 +207,3 @@ def run_scheduler(config: ServeConfig, control_endpoint: str, dp_rank: int = 0) 
         kv_events=(kv.bound, kv.bound_replay) if kv is not None else ("", ""),
     )
     core.run_forever()
-
-
-def freeze_gc() -> None:
-    """Keep the collector's pauses off the busy loop (as vLLM and SGLang do): what start-up
-    made is never collected again (``gc.freeze``), and a young-generation pass runs every
-    50,000 allocations instead of 700, so the full passes that walk every live request's
-    lists come ~70 times less often. Each step allocates thousands of small objects; at
-    GPU step times a 30 ms full collection is several idle steps of the device."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)

@@ -20,6 +20,7 @@ from typing import Any
 
 from services import clock
 from services.config import ServeConfig
+from services.gc_tuning import freeze_gc
 from services.ipc import PullSocket, PushSocket, SubSocket, report_ready
 from services.protocol import (
     ApiServerInput,
@@ -159,10 +160,14 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     )
     from services.metrics.process_metrics import tokenizer_time
 
+    def connected() -> None:
+        freeze_gc()
+        report_ready(control_endpoint, "tokenizer")
+
     serve_tokenizer(
         processor,
         endpoints,
         tokenize_time=tokenizer_time(config),
-        on_connected=lambda: report_ready(control_endpoint, "tokenizer"),
+        on_connected=connected,
         balancer=balancer,
     )
