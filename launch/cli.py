@@ -153,6 +153,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help='vLLM\'s JSON form: {"enable_kv_cache_events": true, "publisher": "zmq", '
         '"endpoint": ..., "replay_endpoint": ..., "topic": ..., "buffer_steps": ...}',
     )
+    p.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='PD disaggregation, vLLM\'s JSON: {"kv_connector": "p2p", "kv_role": '
+        '"kv_producer"|"kv_consumer"|"kv_both", "kv_ip": ..., "kv_port": ..., '
+        '"kv_connector_extra_config": {"lease_s": ..., "pull_timeout_s": ...}}',
+    )
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument(
         "--log-stats-interval",
@@ -308,6 +315,65 @@ def _run_router(args: argparse.Namespace) -> int:
     return run_router(config)
 
 
+def _add_pd_proxy(sub: argparse._SubParsersAction) -> None:
+    from services.router.policies import POLICIES
+
+    p = sub.add_parser(
+        "pd-proxy",
+        help="prefill/decode disaggregation: one prefill, then the decode elsewhere",
+        description="An OpenAI-compatible proxy over prefill instances (--kv-transfer-config "
+        "kv_producer) and decode instances (kv_consumer): each request is prefilled on one "
+        "(max_tokens 1), then generated on another, which pulls the KV from the first.",
+    )
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", required=True,
+                   help="a prefill instance's base URL (repeat for each)")  # fmt: skip
+    p.add_argument("--decode", action="append", default=[], metavar="URL", required=True,
+                   help="a decode instance's base URL (repeat for each)")  # fmt: skip
+    p.add_argument("--prefill-policy", default="cost", choices=sorted(POLICIES),
+                   help="how to choose the prefill instance (default: cost, prefix-aware)")  # fmt: skip
+    p.add_argument("--decode-policy", default="cost", choices=sorted(POLICIES),
+                   help="how to choose the decode instance (default: cost: by load)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenize prompts here (as the router's --tokenizer)")  # fmt: skip
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
+    p.add_argument("--load-interval-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=None, help="seeds the random choices")
+    p.add_argument("--uvicorn-log-level", default="warning")
+    p.set_defaults(func=_run_pd_proxy)
+
+
+def _run_pd_proxy(args: argparse.Namespace) -> int:
+    from services.router.app import RouterConfig
+    from services.router.pd_proxy import run_pd_proxy
+
+    if args.health_check_interval <= 0 or args.load_interval_ms <= 0:
+        raise ConfigError("--health-check-interval and --load-interval-ms must be positive")
+    tokenizer = args.tokenizer
+    if tokenizer is not None:
+        from services.model_loader import prepare_model
+
+        tokenizer = str(prepare_model(None if tokenizer == "default" else tokenizer))
+
+    def side(backends: list[str], policy: str) -> RouterConfig:
+        return RouterConfig(
+            backends=backends,
+            policy=policy,
+            host=args.host,
+            port=args.port,
+            tokenizer=tokenizer,
+            health_check_interval=args.health_check_interval,
+            load_interval_ms=args.load_interval_ms,
+            log_level=args.uvicorn_log_level,
+            seed=args.seed,
+        )
+
+    return run_pd_proxy(
+        side(args.prefill, args.prefill_policy), side(args.decode, args.decode_policy)
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actorserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -315,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_bench(sub)
     _add_router(sub)
+    _add_pd_proxy(sub)
     return parser
 
 

@@ -97,11 +97,12 @@ class ProcessGroup:
         return child
 
     def first_dead(self) -> Child | None:
-        """A child that exited without being asked to, if any."""
-        for child in self.children:
-            if child.popen.poll() is not None and not child.expected_exit:
-                return child
-        return None
+        """A child that exited without being asked to, if any: one killed by a signal first.
+        When a rank is killed, its peers fail their next collective and exit with an error
+        soon after; by the time anyone looks, several are dead, and the cause is the one
+        to name."""
+        dead = [c for c in self.children if c.popen.poll() is not None and not c.expected_exit]
+        return min(dead, key=lambda c: c.popen.returncode >= 0, default=None)
 
     def stop_all(self, timeout: float = 5.0) -> None:
         """SIGTERM every child, wait up to ``timeout`` seconds, then SIGKILL the rest."""

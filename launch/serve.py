@@ -16,7 +16,6 @@ accepting (503), lets in-flight requests finish for up to
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -45,7 +44,9 @@ from services.config import (
     ParallelConfig,
     ServeConfig,
 )
+from services.flags import parse_json_object
 from services.ipc import IpcDir, PullSocket, PushSocket
+from services.kv_transfer.config import KVTransferConfig
 from services.logging_utils import init_logger
 from services.metrics.registry import create_multiproc_dir, remove_multiproc_dir
 from services.model_loader import load_hf_config, prepare_engine_model
@@ -371,16 +372,9 @@ def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: 
     if config_json:
         if endpoint is not None:
             raise ConfigError("give --kv-events-endpoint or --kv-events-config, not both")
-        try:
-            cfg = json.loads(config_json)
-        except ValueError as e:
-            raise ConfigError(f"--kv-events-config is not valid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError("--kv-events-config must be a JSON object")
-        unknown = set(cfg) - {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint",
-                              "topic", "buffer_steps", "hwm", "max_queue_size"}  # fmt: skip
-        if unknown:
-            raise ConfigError(f"--kv-events-config: unknown keys {sorted(unknown)}")
+        known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic",
+                 "buffer_steps", "hwm", "max_queue_size"}  # fmt: skip
+        cfg = parse_json_object("--kv-events-config", config_json, known)
         if not cfg.get("enable_kv_cache_events", False) or cfg.get("publisher") == "null":
             return
         if cfg.get("publisher", "zmq") != "zmq":
@@ -396,6 +390,8 @@ def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: 
 
 def run_server(args: object) -> int:
     engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
+    if (kv_transfer := vars(args).get("kv_transfer_config")) is not None:
+        engine.kv_transfer = KVTransferConfig.from_json(kv_transfer)
     model = engine.model.model
     folder = prepare_engine_model(model, engine.model.load_format, engine.worker.sim_model)
     engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))

@@ -24,6 +24,7 @@ from services.flags import (
     parse_token_count,
 )
 from services.gpu_worker.registry import ATTENTION_BACKENDS, WORKER_BACKENDS
+from services.kv_transfer.config import KVTransferConfig
 from services.model_arch import ModelArchConfig
 from services.parallel_config import ParallelConfig
 from services.scheduler.block_hash import HASH_FUNCTIONS
@@ -209,6 +210,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (PD disaggregation)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

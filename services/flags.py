@@ -36,6 +36,22 @@ def parse_token_count(text: str) -> int:
     return int(float(m.group(1)) * scale[m.group(2)])
 
 
+def parse_json_object(flag: str, text: str, known_keys: set[str]) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's ``--kv-events-config`` style); ConfigError naming the
+    flag when it is not JSON, not an object, or has keys outside ``known_keys``."""
+    import json
+
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag} must be a JSON object")
+    if unknown := set(raw) - known_keys:
+        raise ConfigError(f"{flag}: unknown keys {sorted(unknown)}")
+    return raw
+
+
 def flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
     """Field metadata that makes a dataclass field a CLI flag: ``--field-name``, plus
     ``aliases``, a ``type`` parser and ``choices`` when given."""

@@ -166,6 +166,9 @@ class StepPlan(msgspec.Struct, **_STRUCT):
     running: list[RunningRequestDelta] = []
     num_scheduled_tokens: list[int] = []
     finished_req_ids: list[str] = []
+    # The KV connector's per-step metadata (--kv-transfer-config), encoded by the connector
+    # (services/kv_transfer/): what to hold for a pull, what to load. Empty without one.
+    kv_connector_metadata: bytes = b""
     # time.monotonic() when the executor sent it (0: not stamped): the simulated backend's
     # device starts the step then, or when it finishes the previous one if that is later.
     sent_at: float = 0.0
@@ -236,6 +239,7 @@ class RequestTokens(msgspec.Struct, **_STRUCT):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = []
+    kv_transfer_params: dict[str, object] | None = None  # with the finish: where its KV waits
 
 
 class TokenBatch(msgspec.Struct, **_STRUCT):
@@ -286,6 +290,7 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     cache_salt: str | None = None
     echo: bool = False
     return_token_ids: bool = False  # the prompt's token ids come back with the first delta
+    kv_transfer_params: dict[str, object] | None = None  # PD disaggregation (vLLM's field)
     data_parallel_rank: int | None = (
         None  # X-data-parallel-rank: this engine core, not the balancer's
     )
@@ -331,6 +336,7 @@ class TokenizedRequest(msgspec.Struct, **_TAGGED):
     priority: int = 0
     cache_salt: str | None = None
     eos_token_id: int | None = None
+    kv_transfer_params: dict[str, object] | None = None
 
 
 class Abort(msgspec.Struct, **_TAGGED):
@@ -347,7 +353,25 @@ class FinishRequest(msgspec.Struct, **_TAGGED):
     stop_reason: str | None = None
 
 
-EngineCoreInput = TokenizedRequest | Abort | FinishRequest
+class KVTransferDone(msgspec.Struct, **_TAGGED):
+    """From one worker rank's KV connector: transfers that ended since its last report.
+
+    ``finished_sending``: requests whose blocks this rank no longer serves (pulled and
+    acknowledged, released, or their lease lapsed); ``finished_recving``: requests whose
+    KV this rank loaded; ``failed_recving``: loads that failed (the request recomputes).
+    The scheduler acts on a request once every rank has reported it.
+    """
+
+    rank: int
+    finished_sending: list[str] = []
+    finished_recving: list[str] = []
+    failed_recving: list[str] = []
+    num_bytes: int = 0  # moved by the loads reported here
+    seconds: float = 0.0  # their time, summed
+    num_expired: int = 0  # of finished_sending: holds whose lease lapsed with no pull
+
+
+EngineCoreInput = TokenizedRequest | Abort | FinishRequest | KVTransferDone
 
 
 class RequestOutputSpec(msgspec.Struct, **_STRUCT):
@@ -407,6 +431,7 @@ class TextDelta(msgspec.Struct, **_STRUCT):
     prompt_text: str | None = None
     prompt_logprobs: DecodedPromptLogprobs | None = None  # on the first delta with tokens
     prompt_token_ids: list[int] | None = None  # on the first delta, with return_token_ids
+    kv_transfer_params: dict[str, object] | None = None  # on the last delta, when held for PD
 
 
 class TextDeltaBatch(msgspec.Struct, **_TAGGED):
@@ -555,3 +580,88 @@ class EngineNodeDown(msgspec.Struct, **_TAGGED):
 
 
 EngineNodeMessage = EngineNodeHello | EngineNodeStatus | EngineNodeDown
+
+
+# ---- KV transfer, p2p connector (services/kv_transfer/p2p.py)
+#   scheduler -StepPlan.kv_connector_metadata (P2PMetadata)-> its worker ranks
+#   decode worker rank r -DEALER KVSideChannelInput-> prefill worker rank r (ROUTER, side channel)
+#   prefill rank r -> decode rank r: KVPullLayer + 2 raw frames (K, V) per layer, or KVPullRefused
+#   decode scheduler -DEALER KVRenew-> every prefill rank, while its request is queued
+
+
+class P2PHold(msgspec.Struct, **_STRUCT):
+    """Prefill side: serve these blocks to one pull until released or ``lease_s`` without
+    a renewal passes."""
+
+    req_id: str
+    block_ids: list[int]
+    generations: list[int]
+    lease_s: float
+
+
+class P2PLoad(msgspec.Struct, **_STRUCT):
+    """Decode side: pull ``remote_block_ids`` of ``remote_request_id`` into ``block_ids``."""
+
+    req_id: str
+    block_ids: list[int]
+    remote_request_id: str
+    remote_block_ids: list[int]
+    remote_generations: list[int]
+    remote_host: str
+    remote_port: int
+
+
+class P2PMetadata(msgspec.Struct, **_STRUCT):
+    """One step's p2p work: holds to start, loads to start, holds or loads to cancel."""
+
+    holds: list[P2PHold] = []
+    loads: list[P2PLoad] = []
+    cancels: list[str] = []
+
+
+class KVLayout(msgspec.Struct, **_STRUCT):
+    """The shape of one rank's KV cache; a pull between different layouts is refused."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class KVPull(msgspec.Struct, **_TAGGED):
+    """Send me these blocks of a held request, layer by layer (``generations`` must match
+    the hold's: blocks freed and reused since are never sent)."""
+
+    remote_request_id: str
+    block_ids: list[int]
+    generations: list[int]
+    layout: KVLayout
+
+
+class KVRenew(msgspec.Struct, **_TAGGED):
+    """The decode side still wants this request's blocks: extend its lease."""
+
+    remote_request_id: str
+
+
+class KVRelease(msgspec.Struct, **_TAGGED):
+    """The decode side is done with (or gave up on) this request's blocks: free them."""
+
+    remote_request_id: str
+
+
+KVSideChannelInput = KVPull | KVRenew | KVRelease
+
+
+class KVPullLayer(msgspec.Struct, **_TAGGED):
+    """Header of one layer of a pull; two raw frames follow (K then V, the blocks in order)."""
+
+    layer: int
+
+
+class KVPullRefused(msgspec.Struct, **_TAGGED):
+    reason: str
+
+
+KVSideChannelReply = KVPullLayer | KVPullRefused

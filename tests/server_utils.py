@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -163,3 +164,25 @@ def wait_metric(server: RemoteServer, name: str, value: float, timeout_s: float)
 def sse_chunks(body: str) -> list[dict]:
     """The JSON chunks of a streamed (SSE) response body, without the final ``[DONE]``."""
     return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+
+
+@contextlib.contextmanager
+def http_process(cmd: list[str], url: str, what: str, timeout_s: float = 60) -> Iterator[str]:
+    """Run ``cmd`` (a router or proxy) until its ``url/health`` answers 200; yields ``url``
+    and terminates it afterwards. Raises with its output if it exits or never gets healthy."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"{what} did not start:\n{log.read().decode()}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)

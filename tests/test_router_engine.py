@@ -7,16 +7,14 @@ replicas' ``/tokenize`` and through the router's own tokenizer, for completions 
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.server_utils import REPO, RemoteServer, free_port, metric
+from tests.server_utils import RemoteServer, free_port, http_process, metric
 
 MODEL = "qwen3-0.6b"
 
@@ -43,22 +41,8 @@ def router(backends: list[RemoteServer], *args: str) -> Iterator[str]:
            "--health-check-interval", "0.2", "--seed", "0", *args]  # fmt: skip
     for s in backends:
         cmd += ["--backend", s.url]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"router did not start:\n{log.read().decode()}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with http_process(cmd, url, "router") as served:
+        yield served
 
 
 def _hits(servers: list[RemoteServer]) -> float:

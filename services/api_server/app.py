@@ -171,6 +171,8 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         model = check_model(req.model)
         req.check()
         prompts = req.prompts()
+        if req.kv_transfer_params and len(prompts) != 1:
+            raise ParamError("kv_transfer_params", "kv_transfer_params works with one prompt only.")
         sampling = req.completion_sampling_params()
         validate_sampling(sampling)
         check_admission()
@@ -203,6 +205,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 data_parallel_rank=dp_rank,
                 echo=req.echo,
                 return_token_ids=req.return_token_ids,
+                kv_transfer_params=req.kv_transfer_params,
             )
 
         want_lp = req.logprobs is not None
@@ -252,6 +255,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 cache_salt=req.cache_salt,
                 data_parallel_rank=dp_rank,
                 return_token_ids=req.return_token_ids,
+                kv_transfer_params=req.kv_transfer_params,
             )
 
         want_lp = req.logprobs

@@ -63,6 +63,7 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
     bad_words: list[str] | None = None  # vLLM's: words never to generate
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: PD disaggregation (pd-proxy)
     allowed_token_ids: list[TokenId] | None = None
 
     def sampling_params(
@@ -122,6 +123,9 @@ class _SamplingFields(OpenAIBaseModel):
             raise ParamError(
                 "cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided."
             )
+        if self.kv_transfer_params and self.n != 1:
+            # One set of params names one prompt's KV: n choices would share it.
+            raise ParamError("kv_transfer_params", "kv_transfer_params works with n=1 only.")
         if self.stream and self.prompt_logprobs:
             raise ParamError(
                 "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."

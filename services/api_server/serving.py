@@ -68,6 +68,7 @@ class ChoiceState:
     prompt_logprobs: DecodedPromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, object] | None = None
     # text_offset of the next logprobs entry: vLLM counts token lengths from the first entry
     # on, across chunks (held-back stop-string text and partial characters lag the tokens).
     next_offset: int = 0
@@ -79,6 +80,7 @@ class ChoiceState:
         self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         self.prompt_token_ids = self.prompt_token_ids or delta.prompt_token_ids
         self.token_ids += delta.token_ids
+        self.kv_transfer_params = self.kv_transfer_params or delta.kv_transfer_params
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
@@ -240,7 +242,17 @@ async def completion_full(
                 **_token_ids(ctx, s),
             }
         )
-    return {**_chunk(ctx, "text_completion", choices), "usage": usage(ctx, states)}
+    return {
+        **_chunk(ctx, "text_completion", choices),
+        "usage": usage(ctx, states),
+        **_kv_transfer_params(states),
+    }
+
+
+def _kv_transfer_params(states: list[ChoiceState]) -> dict[str, Any]:
+    """vLLM's top-level ``kv_transfer_params`` (where a prefill instance holds the KV)."""
+    params = states[0].kv_transfer_params if states else None
+    return {} if params is None else {"kv_transfer_params": params}
 
 
 def _token_ids(ctx: ResponseContext, state: ChoiceState) -> dict[str, Any]:
@@ -339,4 +351,5 @@ async def chat_full(ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool
         "usage": usage(ctx, states),
         "prompt_logprobs": prompt_logprobs_json(states[0].prompt_logprobs),
         "prompt_token_ids": states[0].prompt_token_ids if ctx.return_token_ids else None,
+        **_kv_transfer_params(states),
     }

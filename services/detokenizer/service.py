@@ -151,6 +151,7 @@ class OutputProcessor:
             prompt_text=prompt_text,
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=prompt_ids,
+            kv_transfer_params=item.kv_transfer_params,
         )
 
     def _decode_logprobs(self, lp: TokenLogprobs) -> DecodedLogprob:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 from services.config import EngineConfig
 from services.gpu_worker.distributed import ParallelState
-from services.protocol import StepPlan, StepResult
+from services.protocol import KVLayout, StepPlan, StepResult
 
 
 class WorkerBackend(ABC):
@@ -40,6 +41,11 @@ class WorkerBackend(ABC):
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def kv_caches_for_transfer(self) -> tuple[list[Any], KVLayout] | None:
+        """This rank's (K, V) cache tensors per layer and their layout, for a KV connector;
+        None where the backend has no KV tensors (the simulated one)."""
+        return None
 
     def device_seconds(self) -> tuple[float, float] | None:
         """(busy, idle) seconds of the device so far, where the backend models a device's

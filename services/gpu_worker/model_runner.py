@@ -23,7 +23,7 @@ from services.gpu_worker.input_batch import CachedRequestState, InputBatch
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
 from services.model_loader import dummy_weights, iter_weights, load_hf_config
-from services.protocol import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from services.protocol import KVLayout, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 
 # Prompt logprobs score this many positions at a time: [rows, vocab] fp32 logits stay small.
 _PROMPT_LOGPROBS_ROWS = 256
@@ -205,6 +205,16 @@ class ModelRunner(WorkerBackend):
             kv = alloc(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((kv[0], kv[1]))
         self.num_blocks = num_blocks
+
+    def kv_caches_for_transfer(self) -> tuple[list[KVCache], KVLayout]:
+        layout = KVLayout(
+            num_layers=len(self.kv_caches),
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+        return self.kv_caches, layout
 
     # ------------------------------------------------------------------ step
 

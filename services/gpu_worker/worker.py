@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import zmq
 
 from services import clock
-from services.config import ModelArchConfig, ServeConfig
+from services.config import EngineConfig, ModelArchConfig, ServeConfig
+from services.flags import ConfigError
 from services.gc_tuning import freeze_gc
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed, rank_state
 from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
 from services.ipc import PushSocket, SubSocket, report_ready
+from services.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from services.logging_utils import init_logger
 from services.metrics.process_metrics import device_seconds, worker_forward_time
 from services.model_loader import load_hf_config
-from services.protocol import StepPlan, StepResult
+from services.protocol import EngineCoreInput, KVTransferDone, StepPlan, StepResult
 from services.scheduler.capacity import check_kv_capacity
 
 logger = init_logger(__name__)
@@ -56,6 +59,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     max_len = engine.scheduler.resolved_max_model_len
     check_kv_capacity(num_blocks, engine.cache.block_size, max_len)
     worker.initialize_kv_cache(num_blocks)
+    connector = _kv_connector(engine, worker, rank, endpoints.engine_core)
     # Across machines a crashed node 0 closes no connection: heartbeats notice it.
     heartbeat: dict[int, int] = {zmq.HEARTBEAT_IVL: 2000, zmq.HEARTBEAT_TIMEOUT: 10_000}
     plans = SubSocket[StepPlan](
@@ -93,6 +97,8 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         if plan is None:
             continue
         start = clock.perf_counter()
+        if connector is not None:
+            connector.bind_connector_metadata(plan.kv_connector_metadata)
         result = worker.execute(plan)
         end = clock.perf_counter()
         forward_time.observe(end - start)
@@ -104,6 +110,32 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
             trace.record(plan, start, end)
         if results is not None:
             results.send(result)
+
+
+def _kv_connector(
+    engine: EngineConfig, worker: WorkerBackend, rank: int, engine_core: str
+) -> KVConnectorWorker | None:
+    """The worker half of ``--kv-transfer-config``'s connector over this rank's KV cache;
+    it reports to the scheduler's input socket (from its own threads)."""
+    if engine.kv_transfer is None:
+        return None
+    caches = worker.kv_caches_for_transfer()
+    if caches is None:
+        raise ConfigError(
+            f"--kv-transfer-config needs KV cache tensors; --worker-backend "
+            f"{engine.worker.worker_backend} has none"
+        )
+    sock = PushSocket[EngineCoreInput](engine_core, EngineCoreInput)
+    lock = threading.Lock()
+
+    def report(done: KVTransferDone) -> None:
+        with lock:
+            sock.send(done)
+
+    connector = create_worker_connector(engine, rank, report)
+    assert connector is not None
+    connector.register_kv_caches(*caches)
+    return connector
 
 
 class StepTrace:

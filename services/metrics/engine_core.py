@@ -21,7 +21,7 @@ from services.config import ServeConfig
 from services.metrics.engine_metrics import GAUGE_INTERVAL_S, EngineMetrics
 from services.metrics.process_metrics import SchedulerLoopMetrics
 from services.metrics.stats_logger import LoggingStatLogger
-from services.protocol import RequestTokens, StepPlan
+from services.protocol import KVTransferDone, RequestTokens, StepPlan
 from services.scheduler.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -60,6 +60,12 @@ class EngineCoreMetrics:
         now = clock.monotonic()
         if now >= self._next_flush:
             self.flush(now)
+
+    def on_kv_transfer(self, done: KVTransferDone) -> None:
+        """A worker rank's KV connector reported transfers that ended."""
+        if self.enabled:
+            self.engine.record_kv_transfer(done)
+            self.stats_logger.record_kv_transfer(done)
 
     def flush(self, now: float | None = None) -> None:
         """Snapshot the scheduler into the gauges; log the stats line if it is due."""

@@ -36,7 +36,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services import clock
 from services.config import ServeConfig
 from services.metrics.registry import LABEL_NAMES, label_values, observe_many
-from services.protocol import RequestTokens, StepPlan
+from services.protocol import KVTransferDone, RequestTokens, StepPlan
 from services.scheduler.kv_cache_metrics import KVCacheResidency
 from services.scheduler.request import Request, RequestEventType
 from services.scheduler.stats import SchedulerStats
@@ -58,6 +58,9 @@ REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's for its NIXL connector's transfer histograms
+XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+XFER_BYTES_BUCKETS = tuple(2 ** (10 + i) for i in range(1, 25, 2))
 N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTIONS_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
 KV_RESIDENCY_BUCKETS = (
@@ -249,6 +252,21 @@ class EngineMetrics:
         self.iteration_tokens = h("vllm:iteration_tokens_total",
                                   "Histogram of number of tokens per engine_step.",
                                   ITERATION_TOKENS_BUCKETS).labels(*lv)  # fmt: skip
+        self.kv_transfer = None
+        if config.engine.kv_transfer is not None:
+            # vLLM names these after its NIXL connector; ours mean the same for any connector.
+            self.kv_transfer = (
+                h("vllm:nixl_xfer_time_seconds",
+                  "Histogram of transfer duration for NIXL KV Cache transfers.",
+                  XFER_TIME_BUCKETS).labels(*lv),
+                h("vllm:nixl_bytes_transferred",
+                  "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                  XFER_BYTES_BUCKETS).labels(*lv),
+                counter("vllm:nixl_num_failed_transfers",
+                        "Number of failed NIXL KV Cache transfers.").labels(*lv),
+                counter("vllm:nixl_num_kv_expired_reqs",
+                        "Number of requests that had their KV expire.").labels(*lv),
+            )  # fmt: skip
         self.kv_residency = None
         if config.engine.cache.kv_cache_metrics:
             self.kv_residency = (
@@ -343,6 +361,21 @@ class EngineMetrics:
         if stats.num_preemptions > self._last_preemptions:
             self.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+
+    def record_kv_transfer(self, done: KVTransferDone) -> None:
+        """One worker rank's report: each load it finished is one transfer."""
+        if self.kv_transfer is None:
+            return
+        xfer_time, xfer_bytes, failed, expired = self.kv_transfer
+        if done.finished_recving:
+            per = len(done.finished_recving)
+            for _ in range(per):
+                xfer_time.observe(done.seconds / per)
+                xfer_bytes.observe(done.num_bytes / per)
+        if done.failed_recving:
+            failed.inc(len(done.failed_recving))
+        if done.num_expired:
+            expired.inc(done.num_expired)
 
     def record_kv_residency(self, residency: KVCacheResidency | None) -> None:
         if residency is None or self.kv_residency is None:

@@ -17,6 +17,7 @@ import collections
 import logging
 
 from services import clock
+from services.protocol import KVTransferDone
 from services.scheduler.stats import PrefixCacheStats, SchedulerStats
 
 HIT_RATE_WINDOW_REQUESTS = 1000
@@ -60,10 +61,43 @@ class LoggingStatLogger:
         self._num_generation_tokens = 0
         self._last_log = clock.monotonic()
         self._last_was_active = False
+        self._xfer_seconds: list[float] = []  # per KV transfer since the last line
+        self._xfer_bytes = 0
+        self._xfer_failed = 0
+        self._xfer_expired = 0
 
     def record(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         self._num_prompt_tokens += num_prompt_tokens
         self._num_generation_tokens += num_generation_tokens
+
+    def record_kv_transfer(self, done: KVTransferDone) -> None:
+        per = max(len(done.finished_recving), 1)
+        self._xfer_seconds += [done.seconds / per] * len(done.finished_recving)
+        self._xfer_bytes += done.num_bytes
+        self._xfer_failed += len(done.failed_recving)
+        self._xfer_expired += done.num_expired
+
+    def _log_kv_transfers(self) -> None:
+        """vLLM's "KV Transfer metrics" line, when there were transfers since the last."""
+        times = sorted(self._xfer_seconds)
+        if not (times or self._xfer_failed or self._xfer_expired):
+            return
+        n = len(times)
+        total = sum(times)
+        self.logger.info(
+            "KV Transfer metrics: Num successful transfers=%d, Avg xfer time (ms)=%.3f, "
+            "P90 xfer time (ms)=%.3f, Avg MB per transfer=%.3f, Throughput (MB/s)=%.3f, "
+            "Num failed transfers=%d, Num expired holds=%d",
+            n,
+            1e3 * total / n if n else 0.0,
+            1e3 * times[min(int(0.9 * n), n - 1)] if n else 0.0,
+            self._xfer_bytes / 1e6 / n if n else 0.0,
+            self._xfer_bytes / 1e6 / total if total else 0.0,
+            self._xfer_failed,
+            self._xfer_expired,
+        )
+        self._xfer_seconds, self._xfer_bytes = [], 0
+        self._xfer_failed = self._xfer_expired = 0
 
     def seconds_until_due(self, now: float | None = None) -> float:
         now = clock.monotonic() if now is None else now
@@ -96,4 +130,5 @@ class LoggingStatLogger:
             stats.kv_cache_usage * 100,
             self.hit_rate.hit_rate * 100,
         )
+        self._log_kv_transfers()
         return True

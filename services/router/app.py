@@ -329,12 +329,15 @@ class Router:
         raw = await self._read_body(request)
         if isinstance(raw, Response):
             return raw
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            body = {}  # the replica answers the malformed body with its own error
+        return await self.route(request, path, raw, parse_object(raw), arrived)
+
+    async def route(
+        self, request: Request, path: str, raw: bytes, body: dict[str, Any], arrived: float
+    ) -> Response:
+        """Send ``raw`` (``body`` parsed, {} if it is not a JSON object: the replica
+        answers that with its own error) to the replica the policy picks; retry another
+        when one fails before its first byte. ``request`` gives the headers and the
+        client's connection."""
         req = await self.route_facts(_GENERATE_PATHS[path], body, request.headers)
         headers = _forward_headers(request)
         tried: set[str] = set()
@@ -593,6 +596,15 @@ class Router:
             self.metrics.healthy.labels(r.url).set(1 if r.healthy else 0)
             if r.prefill_s_per_token is not None:
                 self.metrics.prefill_s_per_token.labels(r.url).set(r.prefill_s_per_token)
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; {} when it is not one."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _reply_headers(resp: httpx.Response) -> dict[str, str]:

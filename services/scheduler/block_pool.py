@@ -87,6 +87,7 @@ class BlockPool:
                 evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
+            block.generation += 1
         if evicted and self.enable_kv_cache_events:
             self._events.append(BlockRemoved(block_hashes=evicted))
         return blocks

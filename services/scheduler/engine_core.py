@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from services import clock
 from services.config import EngineConfig
-from services.protocol import RequestTokens, StepPlan, TokenizedRequest
+from services.kv_transfer.base import create_scheduler_connector
+from services.protocol import KVTransferDone, RequestTokens, StepPlan, TokenizedRequest
 from services.scheduler.executor import Executor
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
@@ -41,6 +42,7 @@ class EngineCore:
             enable_kv_cache_events=enable_kv_cache_events,
             pipeline_depth=pp,
             async_scheduling=config.scheduler.async_scheduling,
+            kv_connector=create_scheduler_connector(config),
         )
         self.last_execute_s = 0.0  # the wait for the workers in the last step, for metrics
         self._in_flight: deque[StepPlan] = deque()  # submitted, result not yet taken in
@@ -54,6 +56,10 @@ class EngineCore:
 
     def finish_requests(self, req_ids: list[str], reason: str, stop_reason: str | None) -> None:
         self.scheduler.finish_requests(req_ids, reason, stop_reason)
+
+    def kv_transfers_done(self, done: KVTransferDone) -> None:
+        """A worker rank's KV connector reports transfers that ended."""
+        self.scheduler.update_from_kv_transfers(done)
 
     def has_work(self) -> bool:
         """Requests to run, plans in flight, or finishes the workers or the output side
@@ -73,7 +79,7 @@ class EngineCore:
         self.last_execute_s = 0.0
         while len(self._in_flight) < self.pipeline_depth:
             plan = self.scheduler.schedule()
-            if plan.is_empty and not plan.finished_req_ids:
+            if plan.is_empty and not plan.finished_req_ids and not plan.kv_connector_metadata:
                 if not self._in_flight:
                     if while_busy is not None:
                         while_busy()

@@ -11,16 +11,20 @@ class KVCacheBlock:
     """One block of ``block_size`` token slots in the paged KV cache.
 
     ``ref_cnt`` counts the block tables holding the block; ``block_hash`` is
-    set while the block is in the prefix cache. The prev/next links belong to
+    set while the block is in the prefix cache; ``generation`` counts the times it was
+    handed out (a KV transfer checks it: a block freed and reused is not the one named). The prev/next links belong to
     ``FreeBlockQueue`` (the block is its own list node, so removal is O(1)).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+    __slots__ = (
+        "block_id", "ref_cnt", "block_hash", "generation", "prev_free_block", "next_free_block",
+    )  # fmt: skip
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.generation = 0
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
 

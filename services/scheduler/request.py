@@ -13,11 +13,12 @@ from services.scheduler.block_hash import BlockHash
 
 
 class RequestStatus(enum.IntEnum):
-    """Where a request is. Every status after PREEMPTED is a finished one."""
+    """Where a request is. Every status after WAITING_FOR_REMOTE_KVS is a finished one."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # back in the waiting queue, to be recomputed
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # has blocks; a KV connector is filling them
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -68,6 +69,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, object] | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
@@ -76,6 +78,10 @@ class Request:
         self.arrival_time = clock.wall() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # PD disaggregation: what the client asked of the KV connector, and (once finished)
+        # what it answers, e.g. where the blocks it holds for a remote decode are.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_out: dict[str, object] | None = None
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -109,6 +115,7 @@ class Request:
             arrival_time=msg.arrival_time or None,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            kv_transfer_params=msg.kv_transfer_params,
         )
 
     def set_block_hasher(self, block_hasher: Callable[[Request], list[BlockHash]]) -> None:

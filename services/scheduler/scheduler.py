@@ -8,8 +8,10 @@ import sys
 
 from services import clock
 from services.config import CacheConfig, SchedulerConfig
+from services.kv_transfer.base import KVConnectorScheduler
 from services.protocol import (
     KVCacheEvent,
+    KVTransferDone,
     NewRequest,
     RequestTokens,
     RunningRequestDelta,
@@ -19,6 +21,7 @@ from services.protocol import (
 )
 from services.scheduler.block_hash import BlockHasher
 from services.scheduler.capacity import check_kv_capacity
+from services.scheduler.free_block_queue import KVCacheBlock
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_cache_metrics import KVCacheMetrics, KVCacheResidency
 from services.scheduler.request import (
@@ -63,6 +66,13 @@ class Scheduler:
     running requests, so the stages get micro-batches of similar size instead of one
     full batch and d - 1 idle stages (what vLLM v0's virtual engines did).
     ``max_model_len`` None or 0 means no length limit.
+
+    With a KV connector (``--kv-transfer-config``) a waiting request whose prompt KV an
+    outside source supplies gets its blocks, then waits in ``loading``
+    (``WAITING_FOR_REMOTE_KVS``) until every worker rank reports the load, and goes back
+    to the head of the queue with those tokens computed (or none, if the load failed).
+    A finished request whose blocks the connector holds for a transfer stays in
+    ``held`` until every rank reports the transfer over.
     """
 
     def __init__(
@@ -74,8 +84,10 @@ class Scheduler:
         enable_kv_cache_events: bool = False,
         pipeline_depth: int = 1,
         async_scheduling: bool = False,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.connector = kv_connector
         self.pipeline_depth = pipeline_depth
         self.async_scheduling = async_scheduling
         self.cache_config = cache_config
@@ -104,6 +116,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # their KV is being loaded by the connector
+        self.held: dict[str, Request] = {}  # finished; the connector holds their blocks
         # Ids the workers must drop before the next step (dict: an ordered set).
         self._finished_req_ids: dict[str, None] = {}
         self._pending_outputs: list[RequestTokens] = []
@@ -126,6 +140,8 @@ class Scheduler:
                 f"request {request.req_id!r} has {request.num_prompt_tokens} prompt tokens; "
                 f"it needs between 1 and max_model_len={self.max_model_len}"
             )
+        if self.connector is not None:
+            self.connector.request_added(request)
         if self.block_hasher is not None:
             hasher = self.block_hasher
             request.set_block_hasher(
@@ -154,6 +170,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.loading[req_id]
             else:
                 self.waiting.remove([request])
             request.stop_reason = stop_reason
@@ -169,7 +187,14 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self._finished_req_ids[request.req_id] = None
         request.status = status
-        self.kv_cache_manager.free(request)
+        hold = False
+        if self.connector is not None:
+            blocks = self.kv_cache_manager.req_to_blocks.get(request.req_id, [])
+            hold, request.kv_transfer_params_out = self.connector.request_finished(request, blocks)
+        if hold:
+            self.held[request.req_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.req_id]
         self._finished_requests.append(request)
 
@@ -225,10 +250,22 @@ class Scheduler:
         # Waiting requests, unless this step had to preempt.
         while not preempted and len(self.waiting) and token_budget > 0:
             request = self.waiting.peek()
-            if len(self.running) >= cfg.max_num_seqs:
+            # Requests loading their KV take a place too: they run once it has come.
+            if len(self.running) + len(self.loading) >= cfg.max_num_seqs:
                 request.waiting_reason = "capacity"
                 break
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            preloaded = request.req_id in self.kv_cache_manager.req_to_blocks
+            hit_blocks: list[KVCacheBlock] = []
+            if preloaded:  # its KV came from the connector
+                num_hit = request.num_computed_tokens
+            else:
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None:
+                    started = self._start_load(request, hit_blocks, num_hit)
+                    if started is not None:
+                        if started:
+                            continue
+                        break  # no room for its blocks: it waits, first in line
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -237,11 +274,17 @@ class Scheduler:
                     request.waiting_reason = "deferred"
                     break
                 num_new = token_budget
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+            # A preloaded request's table already covers its computed tokens.
+            new_computed = 0 if preloaded else num_hit
+            if (
+                self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, new_computed)
+                is None
+            ):
                 request.waiting_reason = "capacity"
                 break
             self.waiting.pop()
-            self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
+            if not preloaded:
+                self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -279,6 +322,9 @@ class Scheduler:
             num_scheduled_tokens=[num_scheduled[r.req_id] for r in scheduled_new]
             + [num_scheduled[r.req_id] for r in scheduled_running],
             finished_req_ids=list(self._finished_req_ids),
+            kv_connector_metadata=(
+                self.connector.build_connector_meta() if self.connector is not None else b""
+            ),
         )
         self._finished_req_ids.clear()
         self._next_step_id += 1
@@ -294,6 +340,60 @@ class Scheduler:
             self._sampling_by_step[plan.step_id] = sampling
         self._last_step_num_tokens = plan.total_num_scheduled_tokens
         return plan
+
+    def _start_load(
+        self, request: Request, hit_blocks: list[KVCacheBlock], num_hit: int
+    ) -> bool | None:
+        """Move the waiting request at the head into ``loading`` when the connector supplies
+        part of its prompt asynchronously: True. None when it does not (schedule the request
+        as usual); False when its blocks do not fit (nothing changed; it waits, "capacity").
+
+        The blocks cover the whole prompt, the last token's slot too, so that once loaded
+        the request runs without needing another block: loaded requests waiting for a
+        block that only their own admission could free would never run."""
+        assert self.connector is not None
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+        if not (num_external and load_async):
+            return None
+        manager = self.kv_cache_manager
+        if manager.allocate_slots(request, num_external + 1, hit_blocks, num_hit) is None:
+            request.waiting_reason = "capacity"
+            return False
+        self.waiting.pop()
+        manager.record_prefix_cache_query(request, num_hit)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        self.connector.update_state_after_alloc(
+            request, manager.get_block_ids(request.req_id), num_external
+        )
+        request.num_computed_tokens = num_hit + num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.req_id] = request
+        return True
+
+    def update_from_kv_transfers(self, done: KVTransferDone) -> None:
+        """One worker rank's report of transfers that ended: free holds that are over,
+        queue loaded requests (at the head: they waited longest), recompute failed ones."""
+        if self.connector is None:
+            return
+        outcome = self.connector.update_connector_output(done)
+        for req_id in outcome.sent:
+            if (held := self.held.pop(req_id, None)) is not None:
+                self.kv_cache_manager.free(held)
+        failed = set(outcome.failed)
+        for req_id in outcome.loaded + outcome.failed:
+            if (held := self.held.pop(req_id, None)) is not None:  # aborted while loading
+                self.kv_cache_manager.free(held)
+                continue
+            request = self.loading.pop(req_id, None)
+            if request is None:
+                continue
+            request.kv_transfer_params = None  # used: after a preemption it recomputes here
+            request.status = RequestStatus.WAITING
+            if req_id in failed:
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+            self.waiting.prepend(request)
 
     def _preempt_one(self) -> Request:
         """Preempt the newest (priority policy: lowest priority, then latest) running request."""
@@ -410,16 +510,22 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=request.kv_transfer_params_out if finish_reason else None,
         )
 
     # ------------------------------------------------------------------ state out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests a step can advance (not those waiting for a KV load: a report wakes them)."""
+        return len(self.requests) > len(self.loading)
 
     def has_finished_requests(self) -> bool:
         """Finishes the workers or the detokenizer have not been told of yet: worth a step."""
-        return bool(self._finished_req_ids or self._pending_outputs)
+        return bool(
+            self._finished_req_ids
+            or self._pending_outputs
+            or (self.connector is not None and self.connector.has_pending_metadata())
+        )
 
     def take_finished_requests(self) -> list[Request]:
         """Requests finished since the last call (any reason), for request-level metrics."""
@@ -439,13 +545,13 @@ class Scheduler:
         return metrics.take() if metrics is not None else None
 
     def get_stats(self) -> SchedulerStats:
-        by_reason = {"capacity": 0, "deferred": 0}
+        by_reason = {"capacity": 0, "deferred": len(self.loading)}  # vLLM counts loads there
         for request in self.waiting:
             by_reason[request.waiting_reason] += 1
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.loading),
             num_waiting_by_reason=by_reason,
             kv_cache_usage=pool.get_usage(),
             prefix_cache_stats=pool.prefix_cache_stats,
@@ -459,12 +565,15 @@ class Scheduler:
         problems: list[str] = []
         running_ids = [r.req_id for r in self.running]
         waiting_ids = [r.req_id for r in self.waiting]
-        if sorted(running_ids + waiting_ids) != sorted(self.requests):
-            problems.append("running + waiting != all requests")
+        if sorted(running_ids + waiting_ids + list(self.loading)) != sorted(self.requests):
+            problems.append("running + waiting + loading != all requests")
         if len(self.running) > self.scheduler_config.max_num_seqs:
             problems.append(f"{len(self.running)} running > max_num_seqs")
-        if set(self.kv_cache_manager.req_to_blocks) != set(running_ids):
-            problems.append("block tables are not exactly those of the running requests")
+        # Waiting requests hold blocks only once loaded by the connector.
+        tables = set(self.kv_cache_manager.req_to_blocks)
+        loaded = {r.req_id for r in self.waiting if r.req_id in tables}
+        if tables != {*running_ids, *self.loading, *self.held, *loaded}:
+            problems.append("block tables are not exactly those of running, loading, held requests")
         block_size = self.cache_config.block_size
         for r in self.running:
             table = self.kv_cache_manager.req_to_blocks.get(r.req_id, [])
@@ -476,7 +585,7 @@ class Scheduler:
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 problems.append(f"{r}: bad waiting state")
-            if r.num_computed_tokens != 0:
+            if r.num_computed_tokens != 0 and r.req_id not in loaded:
                 problems.append(f"{r}: waiting with computed tokens")
         if problems:
             raise RuntimeError("scheduler integrity: " + "; ".join(problems))

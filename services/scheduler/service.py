@@ -27,6 +27,7 @@ from services.protocol import (
     EngineState,
     FinishRequest,
     KVCacheEvent,
+    KVTransferDone,
     RequestTokens,
     StepPlan,
     TokenBatch,
@@ -159,6 +160,9 @@ class EngineCoreProc:
                 self._early_aborts.pop(next(iter(self._early_aborts)))
         elif isinstance(msg, FinishRequest):
             self.core.finish_requests([msg.req_id], msg.finish_reason, msg.stop_reason)
+        elif isinstance(msg, KVTransferDone):
+            self.core.kv_transfers_done(msg)
+            self.metrics.on_kv_transfer(msg)
 
     def step(self) -> None:
         start = clock.perf_counter()

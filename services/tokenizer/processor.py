@@ -5,6 +5,7 @@ Pure logic, no sockets, so it is tested directly; ``service.py`` runs it in a lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -43,9 +44,16 @@ class RequestProcessor:
     vLLM's wording. It never raises for user input.
     """
 
-    def __init__(self, tokenizer: TokenizerInfo, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: TokenizerInfo,
+        max_model_len: int,
+        check_kv_transfer: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # The KV connector's check of kv_transfer_params (--kv-transfer-config), if any.
+        self.check_kv_transfer = check_kv_transfer
         self._vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def render(
@@ -127,6 +135,11 @@ class RequestProcessor:
                     f"(vocabulary size: {self._vocab_size})",
                     param,
                 )
+            if req.kv_transfer_params and self.check_kv_transfer is not None:
+                try:
+                    self.check_kv_transfer(req.kv_transfer_params)
+                except ValueError as e:
+                    raise PromptError(str(e), "kv_transfer_params") from None
         except PromptError as e:
             return RequestError(req.req_id, 400, str(e), param=e.param)
         sampling = msgspec.structs.replace(
@@ -144,6 +157,7 @@ class RequestProcessor:
             priority=req.priority,
             cache_salt=req.cache_salt,
             eos_token_id=self.tokenizer.eos_token_id,
+            kv_transfer_params=req.kv_transfer_params,
         )
         spec = RequestOutputSpec(
             req_id=req.req_id,

@@ -22,6 +22,7 @@ from services import clock
 from services.config import ServeConfig
 from services.gc_tuning import freeze_gc
 from services.ipc import PullSocket, PushSocket, SubSocket, report_ready
+from services.kv_transfer.base import params_check
 from services.protocol import (
     ApiServerInput,
     DetokenizeRequest,
@@ -156,7 +157,9 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     cache = config.engine.cache
     balancer = DataParallelBalancer(dp, cache.block_size, cache.prefix_caching_hash_algo)
     processor = RequestProcessor(
-        load_tokenizer(Path(config.model_folder)), config.engine.scheduler.resolved_max_model_len
+        load_tokenizer(Path(config.model_folder)),
+        config.engine.scheduler.resolved_max_model_len,
+        params_check(config.engine),
     )
     from services.metrics.process_metrics import tokenizer_time
 

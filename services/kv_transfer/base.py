@@ -1,0 +1,147 @@
+"""The two halves of a KV connector, named after vLLM's KVConnectorBase_V1 where they mean
+the same.
+
+Scheduler half (in the scheduler process), per request:
+``request_added`` (check its ``kv_transfer_params``) -> ``get_num_new_matched_tokens``
+(prompt tokens an outside source supplies, and whether they arrive asynchronously) ->
+``update_state_after_alloc`` (the blocks they go into) -> ... -> ``request_finished``
+(free its blocks now, or hold them for a transfer, with the params the client gets).
+Per step: ``build_connector_meta`` (bytes the workers get in the StepPlan). When a
+rank reports (``KVTransferDone``): ``update_connector_output``.
+
+Worker half (in every worker rank): ``register_kv_caches`` once the cache exists,
+``bind_connector_metadata`` at the start of every step (it starts the step's loads,
+vLLM's ``start_load_kv``), and a ``report`` callable it calls, from any thread, when
+transfers end.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from services.kv_transfer.config import KVTransferConfig
+from services.kv_transfer.registry import KV_CONNECTORS
+from services.protocol import KVLayout, KVTransferDone
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.config import EngineConfig
+    from services.scheduler.free_block_queue import KVCacheBlock
+    from services.scheduler.request import Request
+
+
+@dataclass
+class TransferOutcome:
+    """Requests whose transfers every rank has finished (``update_connector_output``)."""
+
+    sent: list[str] = field(default_factory=list)  # holds over: free their blocks
+    loaded: list[str] = field(default_factory=list)  # KV in place: schedule them
+    failed: list[str] = field(default_factory=list)  # load failed: recompute them
+
+
+class KVConnectorScheduler(ABC):
+    def __init__(self, config: KVTransferConfig, engine: EngineConfig) -> None:
+        self.config = config
+
+    @classmethod  # noqa: B027 - optional hook
+    def check_params(
+        cls, params: dict[str, Any], config: KVTransferConfig, engine: EngineConfig
+    ) -> None:
+        """Refuse ``kv_transfer_params`` this connector cannot honour (ValueError with a
+        message for the client). The tokenizer asks before the request is queued, so the
+        client gets a 400."""
+
+    def request_added(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """Take in a new request (its params already passed ``check_params``); ValueError
+        refuses it."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Prompt tokens after the local ``num_computed_tokens`` that this connector can
+        supply, and whether they load asynchronously (the request then waits for them)."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """The request's block table now covers the external tokens: plan their load."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> bytes:
+        """This step's work for the worker halves (b"" when there is none)."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: Request, blocks: list[KVCacheBlock]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(hold the blocks until the workers report, ``kv_transfer_params`` for the client)."""
+
+    @abstractmethod
+    def update_connector_output(self, done: KVTransferDone) -> TransferOutcome:
+        """Take in one rank's report; return what every rank has now finished."""
+
+    def has_pending_metadata(self) -> bool:
+        """Work for the workers not yet in a plan: worth a step with nothing to compute."""
+        return False
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Close what the scheduler half opened."""
+
+
+class KVConnectorWorker(ABC):
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        engine: EngineConfig,
+        rank: int,
+        report: Callable[[KVTransferDone], None],
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.report = report
+
+    @abstractmethod
+    def register_kv_caches(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
+    ) -> None:
+        """This rank's (K, V) cache per layer, each [num_blocks, block_size, heads, dim]."""
+
+    @abstractmethod
+    def bind_connector_metadata(self, metadata: bytes) -> None:
+        """A step's metadata, before it runs: start what it asks for."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Stop the connector's threads and close its sockets."""
+
+
+def _load(name: str, half: int) -> Any:
+    module_name, cls_name = KV_CONNECTORS[name][half].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def create_scheduler_connector(engine: EngineConfig) -> KVConnectorScheduler | None:
+    cfg = engine.kv_transfer
+    return None if cfg is None else _load(cfg.kv_connector, 0)(cfg, engine)  # type: ignore[no-any-return]
+
+
+def params_check(engine: EngineConfig) -> Callable[[dict[str, Any]], None] | None:
+    """``check_params`` of the configured connector, for the tokenizer; None without one."""
+    cfg = engine.kv_transfer
+    if cfg is None:
+        return None
+    cls = _load(cfg.kv_connector, 0)
+    return lambda params: cls.check_params(params, cfg, engine)  # type: ignore[no-any-return]
+
+
+def create_worker_connector(
+    engine: EngineConfig, rank: int, report: Callable[[KVTransferDone], None]
+) -> KVConnectorWorker | None:
+    cfg = engine.kv_transfer
+    return None if cfg is None else _load(cfg.kv_connector, 1)(cfg, engine, rank, report)  # type: ignore[no-any-return]
