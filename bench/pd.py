@@ -34,6 +34,19 @@ transfer to the TTFT.
 
     .venv/bin/python -m bench.pd colocated [--rate 1.0] [--requests 80] [--long-share 0.15]
 
+``sim``: four simulated H200s serving Llama-3-8B (``--worker-backend sim``, NVLink between
+them), as four colocated replicas behind ``actorserve router --policy cost``, as 2P2D and
+as 1P3D behind ``actorserve pd-proxy``, on three of DistServe's SLO shapes (its Table 1,
+for OPT on A100s; here the shapes, not the model): chatbot (ShareGPT-like: ~230-token
+prompts, ~200 output; TTFT <= 250 ms, TPOT <= 100 ms), code completion (HumanEval-like:
+~150 / ~100; TTFT <= 125 ms, TPOT <= 200 ms) and summarization (LongBench-like: ~1,800 /
+~100; TTFT <= 15 s, TPOT <= 150 ms). ``actorserve bench`` at each ``--rates`` point;
+goodput is requests per second meeting both SLOs (the JSON has it per GPU too, as DistServe
+reports it). Run at
+``--sim-speed 4`` so that this host's two cores keep up; every time is simulated.
+
+    .venv/bin/python -m bench.pd sim [--workloads chat code summarization] [--requests 400]
+
 Each experiment writes ``bench/out/pd_<experiment>.json`` and a PNG beside it, and prints
 a table.
 """
@@ -355,6 +368,107 @@ def plot_colocated(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+SIM = ("--worker-backend", "sim", "--sim-model", "llama-3-8b", "--sim-hardware", "h200",
+       "--async-scheduling", "--max-model-len", "4096")  # fmt: skip
+# name: (input len, output len, range ratio, SLO TTFT ms, SLO TPOT ms, default rates)
+WORKLOADS: dict[str, tuple[int, int, float, float, float, tuple[float, ...]]] = {
+    "chat": (230, 200, 0.9, 250, 100, (20, 40)),
+    "code": (150, 100, 0.9, 125, 200, (20, 40)),
+    "summarization": (1800, 100, 0.5, 15_000, 150, (8, 16)),
+}
+SETUPS = {"colocated": (0, 0), "2P2D": (2, 2), "1P3D": (1, 3)}
+
+
+def sim_point(setup: str, workload: str, rate: float, n: int, speed: float) -> dict[str, Any]:
+    import subprocess
+
+    from bench.procs import RouterProcess, ServerProcess, _Process, free_port
+
+    prefill, decode = SETUPS[setup]
+    args = (*SIM, "--sim-speed", str(speed))
+    if prefill:
+        servers = [ServerProcess(*args, *_p2p("kv_producer")) for _ in range(prefill)]
+        servers += [ServerProcess(*args, *_p2p("kv_consumer")) for _ in range(decode)]
+    else:
+        servers = [ServerProcess(*args) for _ in range(4)]
+    front: Any = None
+    try:
+        for server in servers:
+            server.wait_ready()
+        if prefill:
+            cmd = [sys.executable, "-m", "launch.cli", "pd-proxy", "--port", str(free_port()),
+                   "--seed", "0"]  # fmt: skip
+            for server in servers[:prefill]:
+                cmd += ["--prefill", server.url]
+            for server in servers[prefill:]:
+                cmd += ["--decode", server.url]
+            front = _Process(cmd, None, "pd-proxy")
+        else:
+            front = RouterProcess([s.url for s in servers], "--policy", "cost", "--seed", "0")
+        front.wait_ready(60)
+        inp, out, ratio, ttft, tpot, _ = WORKLOADS[workload]
+        name = f"{workload}-{setup}-{rate:g}"
+        out_dir = OUT / "pd_runs"
+        cmd = [sys.executable, "-m", "launch.cli", "bench", "--base-url", front.url,
+               "--dataset-name", "random", "--random-input-len", str(inp),
+               "--random-output-len", str(out), "--random-range-ratio", str(ratio),
+               "--ignore-eos", "--num-prompts", str(n), "--request-rate", str(rate),
+               "--seed", "1", "--sim-speed", str(speed), "--goodput", f"ttft:{ttft:g}",
+               f"tpot:{tpot:g}", "--disable-tqdm", "--no-plots", "--result-dir", str(out_dir),
+               "--result-filename", f"{name}.json"]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        r = json.loads((out_dir / f"{name}.json").read_text())
+        transfers = sum(s.metrics().get("vllm:nixl_xfer_time_seconds_count", 0.0)
+                        for s in servers[prefill:]) if prefill else 0.0  # fmt: skip
+    finally:
+        if front is not None:
+            front.close()
+        for server in servers:
+            server.close()
+    row = {
+        "setup": setup, "workload": workload, "rate": rate, "completed": r["completed"],
+        "goodput_rps": r.get("request_goodput", 0.0),
+        "goodput_per_gpu": r.get("request_goodput", 0.0) / 4,
+        "slo_attainment": r.get("request_goodput", 0.0) / max(r["request_throughput"], 1e-9),
+        "ttft_p50_ms": r["median_ttft_ms"], "ttft_p99_ms": r["p99_ttft_ms"],
+        "tpot_p50_ms": r["median_tpot_ms"], "tpot_p99_ms": r["p99_tpot_ms"],
+        "itl_p99_ms": r["p99_itl_ms"], "output_throughput": r["output_throughput"],
+        "transfers": transfers,
+    }  # fmt: skip
+    print(f"{workload:>13} {setup:>9} {rate:>5g} req/s: goodput {row['goodput_rps']:6.2f} req/s "
+          f"({100 * row['slo_attainment']:5.1f} % in SLO)  TTFT p50/p99 {row['ttft_p50_ms']:7.0f}/"
+          f"{row['ttft_p99_ms']:7.0f} ms  TPOT p50/p99 {row['tpot_p50_ms']:5.1f}/"
+          f"{row['tpot_p99_ms']:5.1f} ms", flush=True)  # fmt: skip
+    return row
+
+
+def plot_sim(rows: list[dict[str, Any]], path: Path) -> None:
+    """Per workload: SLO attainment, TTFT P50 and ITL P99 against the rate, per setup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    panels = (("slo_attainment", "requests within both SLOs (%)", 100.0),
+              ("ttft_p50_ms", "TTFT P50 (ms)", 1.0), ("itl_p99_ms", "ITL P99 (ms)", 1.0))  # fmt: skip
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(12, 3.2 * len(workloads)), squeeze=False)
+    for row_axes, w in zip(axes, workloads, strict=True):
+        ttft, tpot = WORKLOADS[w][3:5]
+        for ax, (key, label, scale) in zip(row_axes, panels, strict=True):
+            for setup in SETUPS:
+                pts = [r for r in rows if r["workload"] == w and r["setup"] == setup]
+                ax.plot([r["rate"] for r in pts], [scale * r[key] for r in pts], "o-",
+                        label=setup)  # fmt: skip
+            ax.set_xlabel("request rate (req/s, 4 GPUs)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{w} (SLO TTFT {ttft:g} ms, TPOT {tpot:g} ms)", fontsize=9)
+            ax.legend(fontsize=8)
+    fig.suptitle("4 simulated H200s, Llama-3-8B: colocated vs disaggregated (simulated time)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="experiment", required=True)
@@ -367,12 +481,24 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--long-share", type=float, default=0.15)
     c.add_argument("--slo-ttft-ms", type=float, default=3000)
     c.add_argument("--slo-tpot-ms", type=float, default=150)
+    m = sub.add_parser("sim", help="4 simulated H200s: colocated, 2P2D, 1P3D")
+    m.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    m.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="default: two per workload (see WORKLOADS)")  # fmt: skip
+    m.add_argument("--requests", type=int, default=400)
+    m.add_argument("--sim-speed", type=float, default=4.0)
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"pd_{args.experiment}.json"
     if args.experiment == "transfer":
         result = transfer(args.tokens, args.repeats)
         plot_transfer(result, path.with_suffix(".png"))
+    elif args.experiment == "sim":
+        rows = [sim_point(setup, w, rate, args.requests, args.sim_speed)
+                for w in args.workloads for rate in (args.rates or WORKLOADS[w][5])
+                for setup in SETUPS]  # fmt: skip
+        result = {"sim_speed": args.sim_speed, "requests": args.requests, "rows": rows}
+        plot_sim(rows, path.with_suffix(".png"))
     else:
         result = colocated(args.rate, args.requests, args.long_share, args.slo_ttft_ms,
                            args.slo_tpot_ms)  # fmt: skip

@@ -213,6 +213,22 @@ def test_a_release_before_its_hold_frees_it_on_arrival():
         assert sent.wait("finished_sending", "p1", timeout_s=2).num_expired == 0
 
 
+def test_a_simulated_backend_moves_no_data_and_takes_the_modelled_time():
+    """The sim backend has no KV tensors: the same exchange (holds, pulls, checks,
+    releases) with empty frames, then bytes / link bandwidth of simulated time."""
+    layout = msgspec.structs.replace(LAYOUT, dtype="sim-bf16")
+    link = (1e9, 0.0, 1.0)  # 1 GB/s, no latency, --sim-speed 1
+    with worker("kv_producer", [], layout) as (prod, sent), worker("kv_consumer", [], layout) as (cons, got):  # fmt: skip
+        prod.simulated_link = cons.simulated_link = link
+        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1, 2, 3], [1, 1, 1], 30.0)]))
+        cons.bind_connector_metadata(meta(loads=[load("d1", [0, 1, 2], "p1", [1, 2, 3], prod.bound_port)]))  # fmt: skip
+        done = got.wait("finished_recving", "d1")
+        # 2 x 2 layers x 2 heads x 8 dims x 2 bytes x 4 tokens x 3 blocks
+        assert done.num_bytes == 2 * 2 * 2 * 8 * 2 * 4 * 3
+        assert done.seconds >= done.num_bytes / 1e9
+        sent.wait("finished_sending", "p1")
+
+
 def test_a_pull_from_nobody_times_out():
     with worker("kv_consumer", caches(False), pull_timeout_s=0.5) as (cons, got):
         cons.bind_connector_metadata(meta(loads=[load("d1", [0], "p1", [1], free_port())]))
@@ -375,6 +391,30 @@ def test_loaded_requests_never_wait_for_blocks_they_hold():
     assert len(finished) == 8 and usage(s) == 0
 
 
+@pytest.mark.parametrize("report_at", [39, 40, 41, 42])
+def test_a_loaded_request_never_blocks_a_preempted_one(report_at):
+    """The load is reported at different points of another request's decode, on a pool so
+    small that it preempts: both always finish (a loaded request holds its blocks and
+    runs first, so the preempted one never waits for blocks only it could free)."""
+    s = scheduler("kv_consumer", num_blocks=20, max_model_len=64)
+    other = Request("R", list(range(5000, 5036)), SamplingParams(max_tokens=25, ignore_eos=True))
+    s.add_request(other)
+    s.add_request(request("L", 33, max_tokens=3, params=remote_params(8)))
+    finished: set[str] = set()
+    for _ in range(300):
+        # The load ends when R has this many tokens, or later: while nothing runs.
+        if s.loading and (other.num_tokens >= report_at or not s.running):
+            s.update_from_kv_transfers(KVTransferDone(0, finished_recving=["L"]))
+        plan = s.schedule()
+        for out in s.update_from_output(plan, _sampled(plan)):
+            if out.finish_reason is not None:
+                finished.add(out.req_id)
+        s.check_integrity()
+        if len(finished) == 2:
+            break
+    assert finished == {"R", "L"} and usage(s) == 0
+
+
 def test_a_load_that_does_not_fit_waits_instead_of_computing_here():
     s = scheduler("kv_consumer", num_blocks=20, max_model_len=64)  # 19 usable
     busy = Request("busy", list(range(5000, 5040)), SamplingParams(max_tokens=20, ignore_eos=True))
@@ -534,3 +574,31 @@ def test_one_prefill_one_decode_matches_one_instance():
             r = httpx.post(decode.url + "/v1/completions", timeout=60,
                            json={**body, "kv_transfer_params": params})  # fmt: skip
             assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_simulated_instances_disaggregate_too():
+    """1P1D on the simulated backend (the scale experiments): the decode instance pulls
+    the modelled KV of every prompt, answers as one instance would (the tokens are the
+    request's own, deterministic), and both sides free their blocks."""
+    sim = ("--worker-backend", "sim", "--sim-model", "llama-3-8b", "--sim-hardware", "h200",
+           "--kv-cache-memory-bytes", "1GiB")  # fmt: skip
+    with (
+        RemoteServer(*sim, *_p2p("kv_producer")) as prefill,
+        RemoteServer(*sim, *_p2p("kv_consumer")) as decode,
+    ):
+        prefill.wait_ready()
+        decode.wait_ready()
+        prompt = [100 + (7 * j) % 5000 for j in range(900)]
+        body = {"model": "llama-3-8b", "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        with pd_proxy(prefill, decode) as url:
+            got = httpx.post(url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60)
+        want = httpx.post(prefill.url + "/v1/completions", timeout=60,
+                          json={**body, "prompt": prompt, "cache_salt": "baseline"})  # fmt: skip
+        assert got.status_code == 200 and want.status_code == 200
+        assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+        # 900 prompt tokens' KV (all but the last, in whole blocks) of Llama-3-8B in bf16
+        moved = metric(decode, "vllm:nixl_bytes_transferred_sum")
+        assert moved == 57 * 16 * 2 * 32 * 8 * 128 * 2
+        assert wait_metric(prefill, "vllm:kv_cache_usage_perc", 0.0, 30)
+        assert wait_metric(decode, "vllm:kv_cache_usage_perc", 0.0, 30)

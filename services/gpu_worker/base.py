@@ -43,8 +43,15 @@ class WorkerBackend(ABC):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def kv_caches_for_transfer(self) -> tuple[list[Any], KVLayout] | None:
-        """This rank's (K, V) cache tensors per layer and their layout, for a KV connector;
-        None where the backend has no KV tensors (the simulated one)."""
+        """This rank's (K, V) cache tensors per layer and their layout, for a KV connector
+        (the simulated backend: no tensors, the layout it models; see
+        ``simulated_kv_link``); None where the backend cannot take part in transfers."""
+        return None
+
+    def simulated_kv_link(self) -> tuple[float, float, float] | None:
+        """Where the backend has no KV tensors but models them (the simulated one): the
+        link a KV transfer crosses (bytes/s, latency s) and the simulated time's speed
+        (``--sim-speed``); the connector then moves no data and takes the modelled time."""
         return None
 
     def device_seconds(self) -> tuple[float, float] | None:

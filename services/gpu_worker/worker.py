@@ -134,6 +134,7 @@ def _kv_connector(
 
     connector = create_worker_connector(engine, rank, report)
     assert connector is not None
+    connector.simulated_link = worker.simulated_kv_link()
     connector.register_kv_caches(*caches)
     return connector
 

@@ -106,6 +106,9 @@ class KVConnectorWorker(ABC):
         self.config = config
         self.rank = rank
         self.report = report
+        # A simulated backend (no KV tensors): the link a transfer crosses (bytes/s,
+        # latency s) and --sim-speed. Transfers then move no data and take modelled time.
+        self.simulated_link: tuple[float, float, float] | None = None
 
     @abstractmethod
     def register_kv_caches(

@@ -552,6 +552,12 @@ class P2PConnectorWorker(KVConnectorWorker):
         if reason is not None:
             self._refuse(sock, identity, reason)
             return
+        if self.simulated_link is not None:  # no tensors: headers and empty frames
+            assert self.layout is not None
+            for layer in range(self.layout.num_layers):
+                header = _meta_encoder.encode(KVPullLayer(layer))
+                sock.send_multipart([identity, header, b"", b""])
+            return
         index = torch.tensor(pull.block_ids, dtype=torch.long, device=self.kv_caches[0][0].device)
         for layer, (k, v) in enumerate(self.kv_caches):
             frames: list[Any] = [identity, _meta_encoder.encode(KVPullLayer(layer))]
@@ -576,8 +582,11 @@ class P2PConnectorWorker(KVConnectorWorker):
         done = KVTransferDone(self.rank, failed_recving=[load.req_id])
         try:
             num_bytes = self._pull(load)
+            seconds = time.monotonic() - start
+            if self.simulated_link is not None:
+                seconds /= self.simulated_link[2]  # in simulated seconds, as every sim time
             done = KVTransferDone(self.rank, finished_recving=[load.req_id],
-                                  num_bytes=num_bytes, seconds=time.monotonic() - start)  # fmt: skip
+                                  num_bytes=num_bytes, seconds=seconds)  # fmt: skip
         except _PullFailed as e:
             logger.warning("p2p: pull of %s failed: %s; computing it here", load.req_id, e)
         except Exception:  # whatever it was, the request must not wait forever
@@ -605,6 +614,8 @@ class P2PConnectorWorker(KVConnectorWorker):
                     )
                 )
             )
+            if self.simulated_link is not None:
+                return self._pull_simulated(sock, load)
             device = self.kv_caches[0][0].device
             index = torch.tensor(load.block_ids, dtype=torch.long, device=device)
             num_bytes = 0
@@ -636,6 +647,38 @@ class P2PConnectorWorker(KVConnectorWorker):
         finally:
             sock.send(_meta_encoder.encode(KVRelease(load.remote_request_id)), zmq.NOBLOCK)
             sock.close(linger=1000)  # let the release leave
+
+    def _pull_simulated(self, sock: zmq.Socket[Any], load: P2PLoad) -> int:
+        """The same exchange with no data, then the modelled time of moving it: what a
+        real rank of the simulated model would move (its layout), over the simulated
+        device's interconnect, in simulated time (``--sim-speed``)."""
+        assert self.layout is not None and self.simulated_link is not None
+        from services.gpu_worker.sim.cost_model import DTYPE_BYTES
+
+        start = time.monotonic()
+        layout = self.layout
+        for layer in range(layout.num_layers):
+            if not sock.poll(int(self.pull_timeout_s * 1000)):
+                raise _PullFailed(
+                    f"no answer from the prefill instance in {self.pull_timeout_s:g} s"
+                )
+            frames = sock.recv_multipart()
+            reply = _reply_decoder.decode(frames[0])
+            if isinstance(reply, KVPullRefused):
+                raise _PullFailed(f"refused: {reply.reason}")
+            if reply.layer != layer:
+                raise _PullFailed(f"expected layer {layer}, got {reply.layer}")
+        with self._lock:
+            if load.req_id in self._cancelled:
+                raise _PullFailed("aborted")
+        element = DTYPE_BYTES[layout.dtype.removeprefix("sim-")]
+        num_bytes = (2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * element
+                     * layout.block_size * len(load.block_ids))  # fmt: skip
+        bandwidth, latency, speed = self.simulated_link
+        # The modelled time from the start (the exchange above is part of it, as the
+        # device's timeline in the sim worker); longer only when this host is slower.
+        time.sleep(max(0.0, start + (num_bytes / bandwidth + latency) * speed - time.monotonic()))
+        return num_bytes
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -69,8 +69,9 @@ class Scheduler:
 
     With a KV connector (``--kv-transfer-config``) a waiting request whose prompt KV an
     outside source supplies gets its blocks, then waits in ``loading``
-    (``WAITING_FOR_REMOTE_KVS``) until every worker rank reports the load, and goes back
-    to the head of the queue with those tokens computed (or none, if the load failed).
+    (``WAITING_FOR_REMOTE_KVS``) until every worker rank reports the load; then it runs
+    as soon as a place is free, before the queue (``loaded``), or, if the load failed,
+    goes back to the head of the queue to compute its prompt.
     A finished request whose blocks the connector holds for a transfer stays in
     ``held`` until every rank reports the transfer over.
     """
@@ -117,6 +118,7 @@ class Scheduler:
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # their KV is being loaded by the connector
+        self.loaded: dict[str, Request] = {}  # their KV is in place: they run next
         self.held: dict[str, Request] = {}  # finished; the connector holds their blocks
         # Ids the workers must drop before the next step (dict: an ordered set).
         self._finished_req_ids: dict[str, None] = {}
@@ -172,6 +174,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.loading[req_id]
+            elif req_id in self.loaded:
+                del self.loaded[req_id]
             else:
                 self.waiting.remove([request])
             request.stop_reason = stop_reason
@@ -247,25 +251,38 @@ class Scheduler:
             new_block_ids[request.req_id] = [b.block_id for b in new_blocks]
             token_budget -= num_new
 
+        # Requests whose KV the connector loaded: their blocks are in place (the last
+        # token's slot too), so they run as soon as a place is free, before the queue and
+        # even in a step that preempted (a queued request could otherwise wait for blocks
+        # that only their running and finishing frees).
+        for request in list(self.loaded.values()):
+            if len(self.running) >= cfg.max_num_seqs or token_budget == 0:
+                break
+            num_new = request.num_tokens - request.num_computed_tokens  # its last token
+            if (
+                num_new > token_budget
+                or self.kv_cache_manager.allocate_slots(request, num_new) is None
+            ):
+                break
+            del self.loaded[request.req_id]
+            self._admit(request, scheduled_new)
+            num_scheduled[request.req_id] = num_new
+            token_budget -= num_new
+
         # Waiting requests, unless this step had to preempt.
         while not preempted and len(self.waiting) and token_budget > 0:
             request = self.waiting.peek()
             # Requests loading their KV take a place too: they run once it has come.
-            if len(self.running) + len(self.loading) >= cfg.max_num_seqs:
+            if len(self.running) + len(self.loading) + len(self.loaded) >= cfg.max_num_seqs:
                 request.waiting_reason = "capacity"
                 break
-            preloaded = request.req_id in self.kv_cache_manager.req_to_blocks
-            hit_blocks: list[KVCacheBlock] = []
-            if preloaded:  # its KV came from the connector
-                num_hit = request.num_computed_tokens
-            else:
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                if self.connector is not None:
-                    started = self._start_load(request, hit_blocks, num_hit)
-                    if started is not None:
-                        if started:
-                            continue
-                        break  # no room for its blocks: it waits, first in line
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self.connector is not None:
+                started = self._start_load(request, hit_blocks, num_hit)
+                if started is not None:
+                    if started:
+                        continue
+                    break  # no room for its blocks: it waits, first in line
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -274,25 +291,15 @@ class Scheduler:
                     request.waiting_reason = "deferred"
                     break
                 num_new = token_budget
-            # A preloaded request's table already covers its computed tokens.
-            new_computed = 0 if preloaded else num_hit
-            if (
-                self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, new_computed)
-                is None
-            ):
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
                 request.waiting_reason = "capacity"
                 break
             self.waiting.pop()
-            if not preloaded:
-                self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
+            self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            request.admitted_step_id = self._next_step_id
-            request.record_event(RequestEventType.SCHEDULED)
-            self.running.append(request)
-            scheduled_new.append(request)
+            self._admit(request, scheduled_new)
             num_scheduled[request.req_id] = num_new
             token_budget -= num_new
 
@@ -341,6 +348,13 @@ class Scheduler:
         self._last_step_num_tokens = plan.total_num_scheduled_tokens
         return plan
 
+    def _admit(self, request: Request, scheduled_new: list[Request]) -> None:
+        request.status = RequestStatus.RUNNING
+        request.admitted_step_id = self._next_step_id
+        request.record_event(RequestEventType.SCHEDULED)
+        self.running.append(request)
+        scheduled_new.append(request)
+
     def _start_load(
         self, request: Request, hit_blocks: list[KVCacheBlock], num_hit: int
     ) -> bool | None:
@@ -373,7 +387,7 @@ class Scheduler:
 
     def update_from_kv_transfers(self, done: KVTransferDone) -> None:
         """One worker rank's report of transfers that ended: free holds that are over,
-        queue loaded requests (at the head: they waited longest), recompute failed ones."""
+        make loaded requests ready to run (``loaded``), queue failed ones to recompute."""
         if self.connector is None:
             return
         outcome = self.connector.update_connector_output(done)
@@ -393,7 +407,9 @@ class Scheduler:
             if req_id in failed:
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = 0
-            self.waiting.prepend(request)
+                self.waiting.prepend(request)  # it waited longest
+            else:
+                self.loaded[req_id] = request
 
     def _preempt_one(self) -> Request:
         """Preempt the newest (priority policy: lowest priority, then latest) running request."""
@@ -545,13 +561,14 @@ class Scheduler:
         return metrics.take() if metrics is not None else None
 
     def get_stats(self) -> SchedulerStats:
-        by_reason = {"capacity": 0, "deferred": len(self.loading)}  # vLLM counts loads there
+        # vLLM counts requests waiting for their KV as deferred; loaded ones wait for a place.
+        by_reason = {"capacity": len(self.loaded), "deferred": len(self.loading)}
         for request in self.waiting:
             by_reason[request.waiting_reason] += 1
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.loading),
+            num_waiting_reqs=len(self.waiting) + len(self.loading) + len(self.loaded),
             num_waiting_by_reason=by_reason,
             kv_cache_usage=pool.get_usage(),
             prefix_cache_stats=pool.prefix_cache_stats,
@@ -565,15 +582,14 @@ class Scheduler:
         problems: list[str] = []
         running_ids = [r.req_id for r in self.running]
         waiting_ids = [r.req_id for r in self.waiting]
-        if sorted(running_ids + waiting_ids + list(self.loading)) != sorted(self.requests):
-            problems.append("running + waiting + loading != all requests")
+        others = [*self.loading, *self.loaded]
+        if sorted(running_ids + waiting_ids + others) != sorted(self.requests):
+            problems.append("running + waiting + loading + loaded != all requests")
         if len(self.running) > self.scheduler_config.max_num_seqs:
             problems.append(f"{len(self.running)} running > max_num_seqs")
-        # Waiting requests hold blocks only once loaded by the connector.
         tables = set(self.kv_cache_manager.req_to_blocks)
-        loaded = {r.req_id for r in self.waiting if r.req_id in tables}
-        if tables != {*running_ids, *self.loading, *self.held, *loaded}:
-            problems.append("block tables are not exactly those of running, loading, held requests")
+        if tables != {*running_ids, *self.loading, *self.loaded, *self.held}:
+            problems.append("block tables are not those of running, loading, loaded, held requests")
         block_size = self.cache_config.block_size
         for r in self.running:
             table = self.kv_cache_manager.req_to_blocks.get(r.req_id, [])
@@ -585,7 +601,7 @@ class Scheduler:
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 problems.append(f"{r}: bad waiting state")
-            if r.num_computed_tokens != 0 and r.req_id not in loaded:
+            if r.num_computed_tokens != 0:
                 problems.append(f"{r}: waiting with computed tokens")
         if problems:
             raise RuntimeError("scheduler integrity: " + "; ".join(problems))

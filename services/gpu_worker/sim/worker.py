@@ -36,6 +36,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.config import EngineConfig
 from services.flags import ConfigError
@@ -49,7 +50,7 @@ from services.gpu_worker.sim.cost_model import (
 )
 from services.model_arch import ModelArchConfig
 from services.model_loader import load_hf_config
-from services.protocol import NewRequest, StepPlan, StepResult, TokenLogprobs
+from services.protocol import KVLayout, NewRequest, StepPlan, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +275,22 @@ class SimWorker(WorkerBackend):
         if remaining > 0:
             time.sleep(remaining)
         return result
+
+    def kv_caches_for_transfer(self) -> tuple[list[Any], KVLayout]:
+        """No tensors; the layout a real rank would have (what a transfer would move)."""
+        a, stage = self.arch, self.parallel.pp_rank
+        layout = KVLayout(
+            num_layers=self.cost.stage_layers[stage],
+            block_size=self.config.cache.block_size,
+            num_kv_heads=self.cost.kv_heads,
+            head_dim=a.head_dim,
+            dtype=f"sim-{self.cost.dtype}",
+        )
+        return [], layout
+
+    def simulated_kv_link(self) -> tuple[float, float, float]:
+        hw = self.hardware
+        return hw.interconnect_bandwidth, hw.interconnect_latency_s, self.speed
 
     def device_seconds(self) -> tuple[float, float]:
         return self.modelled_s, self.idle_s
