@@ -585,7 +585,8 @@ EngineNodeMessage = EngineNodeHello | EngineNodeStatus | EngineNodeDown
 # ---- KV transfer, p2p connector (services/kv_transfer/p2p.py)
 #   scheduler -StepPlan.kv_connector_metadata (P2PMetadata)-> its worker ranks
 #   decode worker rank r -DEALER KVSideChannelInput-> prefill worker rank r (ROUTER, side channel)
-#   prefill rank r -> decode rank r: KVPullLayer + 2 raw frames (K, V) per layer, or KVPullRefused
+#   prefill rank r -> decode rank r: KVPullLayer + 2 raw frames (K, V) per layer it covers, or
+#   KVPullRefused
 #   decode scheduler -DEALER KVRenew-> every prefill rank, while its request is queued
 
 
@@ -655,9 +656,11 @@ KVSideChannelInput = KVPull | KVRenew | KVRelease
 
 
 class KVPullLayer(msgspec.Struct, **_TAGGED):
-    """Header of one layer of a pull; two raw frames follow (K then V, the blocks in order)."""
+    """Header of layers ``layer`` .. ``layer + count - 1`` of a pull; 2 x ``count`` raw frames
+    follow (K then V of each layer, the blocks in order). Small layers travel together."""
 
     layer: int
+    count: int = 1
 
 
 class KVPullRefused(msgspec.Struct, **_TAGGED):
