@@ -91,9 +91,6 @@ class KVConnectorScheduler(ABC):
         """Work for the workers not yet in a plan: worth a step with nothing to compute."""
         return False
 
-    def shutdown(self) -> None:  # noqa: B027 - optional hook
-        """Close what the scheduler half opened."""
-
 
 class KVConnectorWorker(ABC):
     def __init__(

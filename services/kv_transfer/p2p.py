@@ -99,7 +99,6 @@ def _dealer(ctx: zmq.Context[Any], host: str, port: int) -> zmq.Socket[Any]:
 class RemotePrefill:
     """A decode request's ``kv_transfer_params``: where its prompt's KV waits."""
 
-    engine_id: str
     request_id: str
     block_ids: list[int]
     generations: list[int]
@@ -126,7 +125,6 @@ class RemotePrefill:
         if len(generations) != len(block_ids):
             raise ValueError("kv_transfer_params: one remote_block_generation per block")
         return cls(
-            engine_id=str(p.get("remote_engine_id") or ""),
             request_id=need("remote_request_id", str),
             block_ids=block_ids,
             generations=generations,
@@ -174,11 +172,6 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._failed: set[str] = set()
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._sockets: dict[tuple[str, int], zmq.Socket[Any]] = {}
-        # What the "KV Transfer metrics" log line and the Prometheus series report.
-        self.num_transfers = 0
-        self.num_failures = 0
-        self.num_bytes = 0
-        self.seconds = 0.0
 
     # ---------------------------------------------------------------- decode side
 
@@ -335,9 +328,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, done: KVTransferDone) -> TransferOutcome:
         out = TransferOutcome()
-        self._failed.update(done.failed_recving)
-        self.num_bytes += done.num_bytes
-        self.seconds += done.seconds
+        self._failed.update(r for r in done.failed_recving if r in self._loading)
         for req_id in itertools.chain(
             done.finished_sending, done.finished_recving, done.failed_recving
         ):
@@ -355,19 +346,13 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                 del self._loading[req_id]
                 if req_id in self._failed:
                     self._failed.discard(req_id)
-                    self.num_failures += 1
                     out.failed.append(req_id)
                 else:
-                    self.num_transfers += 1
                     out.loaded.append(req_id)
         return out
 
     def has_pending_metadata(self) -> bool:
         return bool(self._meta.holds or self._meta.loads or self._meta.cancels)
-
-    def shutdown(self) -> None:
-        for sock in self._sockets.values():
-            sock.close()
 
 
 @dataclass
