@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from services.config import ConfigError, EngineConfig, add_engine_args
+from services.flags import parse_size
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -159,6 +160,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help='PD disaggregation, vLLM\'s JSON: {"kv_connector": "p2p", "kv_role": '
         '"kv_producer"|"kv_consumer"|"kv_both", "kv_ip": ..., "kv_port": ..., '
         '"kv_connector_extra_config": {"lease_s": ..., "pull_timeout_s": ...}}',
+    )
+    p.add_argument(
+        "--kv-offload-bytes",
+        type=parse_size,
+        default=None,
+        help="a host-memory tier of this many bytes (e.g. 4GiB) under the KV cache: evicted "
+        "prefix blocks go there and come back instead of being recomputed (the offload "
+        "connector; in a --kv-transfer-config, put it under multi)",
+    )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="vLLM's name for --kv-offload-bytes, in GiB",
     )
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument(

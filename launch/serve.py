@@ -183,6 +183,7 @@ class Launcher:
         for d in local:
             # Every rank holds its shard of every block: the smallest rank sets the pool.
             self.config.num_blocks = min(w.num_blocks for w in workers if w.engine == d)
+            self.config.kv_block_bytes = sum(w.kv_block_bytes for w in workers if w.engine == d)
             self._start(
                 "scheduler", "0", str(d), name="scheduler" if dp == 1 else f"engine {d} scheduler"
             )
@@ -390,8 +391,11 @@ def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: 
 
 def run_server(args: object) -> int:
     engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
-    if (kv_transfer := vars(args).get("kv_transfer_config")) is not None:
-        engine.kv_transfer = KVTransferConfig.from_json(kv_transfer)
+    flags = vars(args)
+    offload = flags.get("kv_offload_bytes")
+    if (gib := flags.get("kv_offloading_size")) is not None:
+        offload = int(gib * (1 << 30))
+    engine.kv_transfer = KVTransferConfig.from_flags(flags.get("kv_transfer_config"), offload)
     model = engine.model.model
     folder = prepare_engine_model(model, engine.model.load_format, engine.worker.sim_model)
     engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))

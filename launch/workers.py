@@ -122,6 +122,7 @@ class LocalWorkerRanks:
                 endpoints.step_results,
                 world,
                 min(r.num_blocks for r in ready),
+                kv_block_bytes=sum(r.kv_block_bytes for r in ready),
                 is_alive=self.dead_rank,
             )
             self.executor.wait_ready()

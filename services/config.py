@@ -428,6 +428,7 @@ class ServeConfig:
     enable_request_id_headers: bool = False
     tokenizer_workers: int = 1
     num_blocks: int = 0  # measured by the worker, given to the scheduler
+    kv_block_bytes: int = 0  # one block's bytes over all ranks of an engine (workers report)
     log_level: str = "info"
     # metrics (services/metrics/): the periodic stats line, and vLLM's switch for engine stats
     log_stats_interval: float = 10.0

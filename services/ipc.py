@@ -257,11 +257,12 @@ def report_ready(
     rank: int = 0,
     engine: int = 0,
     kv_events: tuple[str, str] = ("", ""),
+    kv_block_bytes: int = 0,
 ) -> None:
     """Tell the launcher this process is up (its control socket is bound by the launcher)."""
     from services.protocol import Ready
 
     sock = PushSocket[Ready](control_endpoint, Ready)
-    sock.send(Ready(role, os.getpid(), num_blocks, rank, engine, *kv_events))
+    sock.send(Ready(role, os.getpid(), num_blocks, rank, engine, *kv_events, kv_block_bytes))
     # Unlike our other sockets (linger 0), wait for the message to leave before closing.
     sock.socket.close(linger=10_000)

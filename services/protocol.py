@@ -369,6 +369,7 @@ class KVTransferDone(msgspec.Struct, **_TAGGED):
     num_bytes: int = 0  # moved by the loads reported here
     seconds: float = 0.0  # their time, summed
     num_expired: int = 0  # of finished_sending: holds whose lease lapsed with no pull
+    connector: int = 0  # which of ``multi``'s connectors reports (0 for a lone one)
 
 
 EngineCoreInput = TokenizedRequest | Abort | FinishRequest | KVTransferDone
@@ -546,6 +547,7 @@ class Ready(msgspec.Struct, **_STRUCT):
     engine: int = 0  # the data-parallel engine core a worker or scheduler belongs to
     kv_events: str = ""  # a scheduler's KV event PUB and replay addresses, as bound
     kv_events_replay: str = ""
+    kv_block_bytes: int = 0  # a worker's bytes per KV block (its shard)
 
 
 # ---- engine nodes (--headless with --data-parallel-size-local): the node's launcher
@@ -618,6 +620,27 @@ class P2PMetadata(msgspec.Struct, **_STRUCT):
     holds: list[P2PHold] = []
     loads: list[P2PLoad] = []
     cancels: list[str] = []
+
+
+# ---- KV transfer, block-store connectors (offload.py, storage.py)
+#   scheduler -StepPlan.kv_connector_metadata (BlockStoreMetadata)-> its worker ranks
+
+
+class BlockStoreLoad(msgspec.Struct, **_STRUCT):
+    """Copy the stored blocks ``keys`` into the request's cache blocks ``block_ids``."""
+
+    req_id: str
+    keys: list[int | str]
+    block_ids: list[int]
+
+
+class BlockStoreMetadata(msgspec.Struct, **_STRUCT):
+    """One step's block-store work: save cache block ``save_block_ids[i]`` under
+    ``save_keys[i]`` (before the step runs, in order), then start ``loads``."""
+
+    save_keys: list[int | str] = []
+    save_block_ids: list[int] = []
+    loads: list[BlockStoreLoad] = []
 
 
 class KVLayout(msgspec.Struct, **_STRUCT):

@@ -78,6 +78,12 @@ def worker(role: str, kv_caches: list, layout: KVLayout = LAYOUT, **extra: float
         w.shutdown()
 
 
+def _bind(w: P2PConnectorWorker, metadata: bytes) -> None:
+    """What a worker rank does with a step's metadata before the forward."""
+    w.bind_connector_metadata(metadata)
+    w.start_load_kv()
+
+
 def meta(**kwargs: list) -> bytes:
     return _encode(P2PMetadata(**kwargs))
 
@@ -94,8 +100,8 @@ def load(req_id: str, blocks: list[int], remote: str, remote_blocks: list[int], 
 def test_pull_copies_the_blocks_then_releases_the_hold():
     src, dst = caches(True), caches(False)
     with worker("kv_producer", src) as (prod, sent), worker("kv_consumer", dst) as (cons, got):
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1, 3, 5], [1, 1, 1], 30.0)]))
-        cons.bind_connector_metadata(meta(loads=[load("d1", [0, 2, 4], "p1", [1, 3, 5], prod.bound_port)]))  # fmt: skip
+        _bind(prod, meta(holds=[P2PHold("p1", [1, 3, 5], [1, 1, 1], 30.0)]))
+        _bind(cons, meta(loads=[load("d1", [0, 2, 4], "p1", [1, 3, 5], prod.bound_port)]))  # fmt: skip
         done = got.wait("finished_recving", "d1")
         # 2 layers x K and V x 3 blocks x 4 slots x 2 heads x 8 dims x 4 bytes
         assert done.num_bytes == 2 * 2 * 3 * 4 * 2 * 8 * 4
@@ -106,7 +112,7 @@ def test_pull_copies_the_blocks_then_releases_the_hold():
         sent.wait("finished_sending", "p1")  # acknowledged: the prefill side frees them
 
         # The hold is over: a second pull is refused, never served from freed blocks.
-        cons.bind_connector_metadata(meta(loads=[load("d2", [6], "p1", [1], prod.bound_port)]))
+        _bind(cons, meta(loads=[load("d2", [6], "p1", [1], prod.bound_port)]))
         got.wait("failed_recving", "d2")
         assert not dst[0][0][6].any()
 
@@ -114,9 +120,9 @@ def test_pull_copies_the_blocks_then_releases_the_hold():
 def test_a_pull_naming_another_generation_is_refused():
     src, dst = caches(True), caches(False)
     with worker("kv_producer", src) as (prod, sent), worker("kv_consumer", dst) as (cons, got):
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1, 2], [4, 7], 30.0)]))
+        _bind(prod, meta(holds=[P2PHold("p1", [1, 2], [4, 7], 30.0)]))
         stale = load("d1", [0, 1], "p1", [1, 2], prod.bound_port, generations=[4, 6])
-        cons.bind_connector_metadata(meta(loads=[stale]))
+        _bind(cons, meta(loads=[stale]))
         got.wait("failed_recving", "d1")
         sent.wait("finished_sending", "p1")  # the puller gave up: the blocks are freed
         assert not dst[0][0].any()
@@ -125,21 +131,21 @@ def test_a_pull_naming_another_generation_is_refused():
 def test_an_unpulled_hold_lapses():
     with worker("kv_producer", caches(True), lease_s=0.3) as (prod, sent):
         start = time.monotonic()
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1], [1], 0.3)]))
+        _bind(prod, meta(holds=[P2PHold("p1", [1], [1], 0.3)]))
         done = sent.wait("finished_sending", "p1")
         assert done.num_expired == 1
         assert time.monotonic() - start >= 0.3
         with worker("kv_consumer", caches(False)) as (cons, got):
-            cons.bind_connector_metadata(meta(loads=[load("d1", [0], "p1", [1], prod.bound_port)]))
+            _bind(cons, meta(loads=[load("d1", [0], "p1", [1], prod.bound_port)]))
             got.wait("failed_recving", "d1")
 
 
 def test_a_pull_that_overtakes_its_hold_waits_for_it():
     src, dst = caches(True), caches(False)
     with worker("kv_producer", src) as (prod, sent), worker("kv_consumer", dst) as (cons, got):
-        cons.bind_connector_metadata(meta(loads=[load("d1", [3], "p1", [2], prod.bound_port)]))
+        _bind(cons, meta(loads=[load("d1", [3], "p1", [2], prod.bound_port)]))
         time.sleep(0.3)
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [2], [1], 30.0)]))
+        _bind(prod, meta(holds=[P2PHold("p1", [2], [1], 30.0)]))
         got.wait("finished_recving", "d1")
         assert torch.equal(dst[1][1][3], src[1][1][2])
 
@@ -150,8 +156,8 @@ def test_different_layouts_are_refused():
         worker("kv_producer", caches(True)) as (prod, _),
         worker("kv_consumer", caches(False, other), other) as (cons, got),
     ):
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1], [1], 30.0)]))
-        cons.bind_connector_metadata(meta(loads=[load("d1", [0], "p1", [1], prod.bound_port)]))
+        _bind(prod, meta(holds=[P2PHold("p1", [1], [1], 30.0)]))
+        _bind(cons, meta(loads=[load("d1", [0], "p1", [1], prod.bound_port)]))
         got.wait("failed_recving", "d1")
 
 
@@ -164,7 +170,7 @@ def test_the_side_channel_survives_what_it_cannot_serve():
 
     kv = [(k.to("meta"), v.to("meta")) for k, v in caches(True)]  # unreadable, as a bug would
     with worker("kv_producer", kv) as (prod, sent):
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1, 2], [1, 1], 0.5)]))
+        _bind(prod, meta(holds=[P2PHold("p1", [1, 2], [1, 1], 0.5)]))
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(f"tcp://127.0.0.1:{prod.bound_port}")
         try:
@@ -190,9 +196,9 @@ def test_a_load_that_raises_is_reported_failed(monkeypatch):
             return pull(load)
 
         monkeypatch.setattr(cons, "_pull", first_breaks)
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p2", [2], [1], 30.0)]))
-        cons.bind_connector_metadata(meta(loads=[load("d1", [0], "p1", [1], prod.bound_port),
-                                                 load("d2", [3], "p2", [2], prod.bound_port)]))  # fmt: skip
+        _bind(prod, meta(holds=[P2PHold("p2", [2], [1], 30.0)]))
+        _bind(cons, meta(loads=[load("d1", [0], "p1", [1], prod.bound_port),
+                                load("d2", [3], "p2", [2], prod.bound_port)]))  # fmt: skip
         got.wait("failed_recving", "d1")
         got.wait("finished_recving", "d2")
         assert torch.equal(dst[0][0][3], src[0][0][2])
@@ -209,7 +215,7 @@ def test_a_release_before_its_hold_frees_it_on_arrival():
         sock.send(_encode(KVRelease("p1")))
         time.sleep(0.3)
         sock.close(linger=0)
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1], [1], 30.0)]))
+        _bind(prod, meta(holds=[P2PHold("p1", [1], [1], 30.0)]))
         assert sent.wait("finished_sending", "p1", timeout_s=2).num_expired == 0
 
 
@@ -220,8 +226,8 @@ def test_a_simulated_backend_moves_no_data_and_takes_the_modelled_time():
     link = (1e9, 0.0, 1.0)  # 1 GB/s, no latency, --sim-speed 1
     with worker("kv_producer", [], layout) as (prod, sent), worker("kv_consumer", [], layout) as (cons, got):  # fmt: skip
         prod.simulated_link = cons.simulated_link = link
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p1", [1, 2, 3], [1, 1, 1], 30.0)]))
-        cons.bind_connector_metadata(meta(loads=[load("d1", [0, 1, 2], "p1", [1, 2, 3], prod.bound_port)]))  # fmt: skip
+        _bind(prod, meta(holds=[P2PHold("p1", [1, 2, 3], [1, 1, 1], 30.0)]))
+        _bind(cons, meta(loads=[load("d1", [0, 1, 2], "p1", [1, 2, 3], prod.bound_port)]))  # fmt: skip
         done = got.wait("finished_recving", "d1")
         # 2 x 2 layers x 2 heads x 8 dims x 2 bytes x 4 tokens x 3 blocks
         assert done.num_bytes == 2 * 2 * 2 * 8 * 2 * 4 * 3
@@ -231,7 +237,7 @@ def test_a_simulated_backend_moves_no_data_and_takes_the_modelled_time():
 
 def test_a_pull_from_nobody_times_out():
     with worker("kv_consumer", caches(False), pull_timeout_s=0.5) as (cons, got):
-        cons.bind_connector_metadata(meta(loads=[load("d1", [0], "p1", [1], free_port())]))
+        _bind(cons, meta(loads=[load("d1", [0], "p1", [1], free_port())]))
         got.wait("failed_recving", "d1", timeout_s=5)
 
 
@@ -480,8 +486,8 @@ def test_pulled_kv_equals_the_kv_the_decode_side_would_compute():
     n = -(-(len(prompt) - 1) // BLOCK_SIZE)
     local = list(range(n))
     with worker("kv_producer", kv, layout) as (prod, _), worker("kv_consumer", received, layout) as (cons, got):  # fmt: skip
-        prod.bind_connector_metadata(meta(holds=[P2PHold("p", a.block_ids, [1] * len(a.block_ids), 30.0)]))  # fmt: skip
-        cons.bind_connector_metadata(meta(loads=[load("d", local, "p", a.block_ids[:n], prod.bound_port)]))  # fmt: skip
+        _bind(prod, meta(holds=[P2PHold("p", a.block_ids, [1] * len(a.block_ids), 30.0)]))  # fmt: skip
+        _bind(cons, meta(loads=[load("d", local, "p", a.block_ids[:n], prod.bound_port)]))  # fmt: skip
         got.wait("finished_recving", "d")
     for (k, v), (rk, rv) in zip(kv, received, strict=True):
         for cache, got_cache in ((k, rk), (v, rv)):

@@ -42,6 +42,11 @@ class WorkerBackend(ABC):
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def kv_cache_bytes_per_block(self) -> int:
+        """This rank's bytes per KV block (its shard of every layer it holds); 0 where
+        the backend holds no KV."""
+        return 0
+
     def kv_caches_for_transfer(self) -> tuple[list[Any], KVLayout] | None:
         """This rank's (K, V) cache tensors per layer and their layout, for a KV connector
         (the simulated backend: no tensors, the layout it models; see

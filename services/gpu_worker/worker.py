@@ -77,7 +77,14 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     device_last = (0.0, 0.0)
     trace = StepTrace.from_env(rank, dp_rank)
     freeze_gc()
-    report_ready(control_endpoint, "worker", num_blocks, rank, dp_rank)
+    report_ready(
+        control_endpoint,
+        "worker",
+        num_blocks,
+        rank,
+        dp_rank,
+        kv_block_bytes=worker.kv_cache_bytes_per_block(),
+    )
     # The scheduler going away (its process, or node 0 for a rank on another machine)
     # shows as the plan socket's peer disconnecting: end then, never wait forever. Exit 0:
     # in a shutdown that is the expected end, and after a crash whoever supervises this
@@ -99,6 +106,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         start = clock.perf_counter()
         if connector is not None:
             connector.bind_connector_metadata(plan.kv_connector_metadata)
+            connector.start_load_kv()
         result = worker.execute(plan)
         end = clock.perf_counter()
         forward_time.observe(end - start)

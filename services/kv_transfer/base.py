@@ -10,9 +10,9 @@ Per step: ``build_connector_meta`` (bytes the workers get in the StepPlan). When
 rank reports (``KVTransferDone``): ``update_connector_output``.
 
 Worker half (in every worker rank): ``register_kv_caches`` once the cache exists,
-``bind_connector_metadata`` at the start of every step (it starts the step's loads,
-vLLM's ``start_load_kv``), and a ``report`` callable it calls, from any thread, when
-transfers end.
+``bind_connector_metadata`` at the start of every step (saves what the step may
+overwrite), then ``start_load_kv`` (starts the step's loads), and a ``report`` callable
+it calls, from any thread, when transfers end.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     import torch
 
     from services.config import EngineConfig
+    from services.protocol import KVCacheEvent
+    from services.scheduler.block_hash import BlockHash
     from services.scheduler.free_block_queue import KVCacheBlock
     from services.scheduler.request import Request
 
@@ -45,8 +47,19 @@ class TransferOutcome:
 
 
 class KVConnectorScheduler(ABC):
-    def __init__(self, config: KVTransferConfig, engine: EngineConfig) -> None:
+    """``kv_block_bytes``: one KV block's bytes summed over the engine's worker ranks (what
+    a connector that stores blocks sizes its store by)."""
+
+    def __init__(
+        self, config: KVTransferConfig, engine: EngineConfig, kv_block_bytes: int = 0
+    ) -> None:
         self.config = config
+        self.kv_block_bytes = kv_block_bytes
+        self.enable_kv_cache_events = False  # whether take_events is called (the scheduler's)
+
+    def enable_events(self, enabled: bool) -> None:
+        """The scheduler publishes KV events: keep those of the connector's tiers."""
+        self.enable_kv_cache_events = enabled
 
     @classmethod  # noqa: B027 - optional hook
     def check_params(
@@ -91,6 +104,23 @@ class KVConnectorScheduler(ABC):
         """Work for the workers not yet in a plan: worth a step with nothing to compute."""
         return False
 
+    # The block pool's changes, for connectors that keep blocks beyond the pool (offload,
+    # storage). Called in ``schedule()`` / ``update_from_output``, so what they ask of the
+    # workers goes out in the same plan's metadata: workers run it before the forward
+    # that may overwrite the block.
+    def on_block_cached(self, block_hash: BlockHash, block_id: int) -> None:  # noqa: B027
+        """A full, computed block entered the prefix cache under ``block_hash``."""
+
+    def on_block_evicted(self, block_hash: BlockHash, block_id: int) -> None:  # noqa: B027
+        """A cached-free block is about to be reused: its content is still intact."""
+
+    def reset_prefix_cache(self) -> None:  # noqa: B027 - optional hook
+        """The prefix cache was reset (/reset_prefix_cache): forget tiers kept beyond it."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events of the connector's own tiers since the last call (``medium`` names it)."""
+        return []
+
 
 class KVConnectorWorker(ABC):
     def __init__(
@@ -115,20 +145,30 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def bind_connector_metadata(self, metadata: bytes) -> None:
-        """A step's metadata, before it runs: start what it asks for."""
+        """A step's metadata, before it runs: take it in, and save the blocks it names
+        before returning (the step may overwrite them)."""
+
+    def start_load_kv(self) -> None:  # noqa: B027 - optional hook
+        """Start the loads the bound metadata asks for (after every connector's
+        ``bind_connector_metadata``, so no load writes a block another still saves)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Stop the connector's threads and close its sockets."""
 
 
-def _load(name: str, half: int) -> Any:
+def connector_class(name: str, half: int) -> Any:
+    """The registered connector's scheduler (0) or worker (1) half."""
     module_name, cls_name = KV_CONNECTORS[name][half].split(":")
     return getattr(importlib.import_module(module_name), cls_name)
 
 
-def create_scheduler_connector(engine: EngineConfig) -> KVConnectorScheduler | None:
+def create_scheduler_connector(
+    engine: EngineConfig, kv_block_bytes: int = 0
+) -> KVConnectorScheduler | None:
     cfg = engine.kv_transfer
-    return None if cfg is None else _load(cfg.kv_connector, 0)(cfg, engine)  # type: ignore[no-any-return]
+    return (
+        None if cfg is None else connector_class(cfg.kv_connector, 0)(cfg, engine, kv_block_bytes)
+    )  # type: ignore[no-any-return]
 
 
 def params_check(engine: EngineConfig) -> Callable[[dict[str, Any]], None] | None:
@@ -136,7 +176,7 @@ def params_check(engine: EngineConfig) -> Callable[[dict[str, Any]], None] | Non
     cfg = engine.kv_transfer
     if cfg is None:
         return None
-    cls = _load(cfg.kv_connector, 0)
+    cls = connector_class(cfg.kv_connector, 0)
     return lambda params: cls.check_params(params, cfg, engine)  # type: ignore[no-any-return]
 
 
@@ -144,4 +184,4 @@ def create_worker_connector(
     engine: EngineConfig, rank: int, report: Callable[[KVTransferDone], None]
 ) -> KVConnectorWorker | None:
     cfg = engine.kv_transfer
-    return None if cfg is None else _load(cfg.kv_connector, 1)(cfg, engine, rank, report)  # type: ignore[no-any-return]
+    return None if cfg is None else connector_class(cfg.kv_connector, 1)(cfg, engine, rank, report)  # type: ignore[no-any-return]

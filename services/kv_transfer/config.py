@@ -51,6 +51,24 @@ class KVTransferConfig:
         return float(value)
 
     @classmethod
+    def from_flags(
+        cls, config_json: str | None, offload_bytes: int | None
+    ) -> KVTransferConfig | None:
+        """``--kv-transfer-config`` and ``--kv-offload-bytes`` (alone: the offload
+        connector; with a config: refused, the config says it under ``multi``)."""
+        cfg = cls.from_json(config_json) if config_json is not None else None
+        if offload_bytes is None:
+            return cfg
+        if cfg is not None:
+            raise ConfigError(
+                "--kv-offload-bytes with --kv-transfer-config: put the offload connector in "
+                'the config, e.g. {"kv_connector": "multi", "kv_connector_extra_config": '
+                '{"connectors": [{"kv_connector": "p2p"}, {"kv_connector": "offload", '
+                '"kv_connector_extra_config": {"kv_offload_bytes": N}}]}}'
+            )
+        return cls("offload", kv_connector_extra_config={"kv_offload_bytes": offload_bytes})
+
+    @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         from services.kv_transfer.registry import KV_CONNECTORS
 

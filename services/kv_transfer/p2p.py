@@ -142,8 +142,10 @@ def prompt_hash(token_ids: list[int]) -> str:
 
 
 class P2PConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, engine: EngineConfig) -> None:
-        super().__init__(config, engine)
+    def __init__(
+        self, config: KVTransferConfig, engine: EngineConfig, kv_block_bytes: int = 0
+    ) -> None:
+        super().__init__(config, engine, kv_block_bytes)
         self.engine = engine
         parallel = engine.parallel
         unsupported = {
@@ -375,6 +377,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._forgotten: OrderedDict[str, str] = OrderedDict()  # hold -> why it ended
+        self._to_start: list[P2PLoad] = []  # bound, started by start_load_kv
         # Loads run in parallel (one slow or dead prefill instance must not hold up the
         # others); at most this many at once.
         self._pool = ThreadPoolExecutor(_LOADS_AT_ONCE, thread_name_prefix="p2p-load")
@@ -430,10 +433,14 @@ class P2PConnectorWorker(KVConnectorWorker):
                     self._cancelled.add(req_id)
             for load in meta.loads:
                 self._pending.add(load.req_id)
-        for load in meta.loads:
-            self._pool.submit(self._load, load)
+        self._to_start.extend(meta.loads)
         if released:
             self.report(KVTransferDone(self.rank, finished_sending=released))
+
+    def start_load_kv(self) -> None:
+        for load in self._to_start:
+            self._pool.submit(self._load, load)
+        self._to_start.clear()
 
     def _end_lease(self, req_id: str, why: str) -> bool:
         """Forget a hold (lock held); False if there was none."""

@@ -12,4 +12,16 @@ KV_CONNECTORS: dict[str, tuple[str, str]] = {
         "services.kv_transfer.p2p:P2PConnectorScheduler",
         "services.kv_transfer.p2p:P2PConnectorWorker",
     ),
+    "offload": (
+        "services.kv_transfer.offload:OffloadConnectorScheduler",
+        "services.kv_transfer.offload:OffloadConnectorWorker",
+    ),
+    "storage": (
+        "services.kv_transfer.storage:StorageConnectorScheduler",
+        "services.kv_transfer.storage:StorageConnectorWorker",
+    ),
+    "multi": (
+        "services.kv_transfer.multi:MultiConnectorScheduler",
+        "services.kv_transfer.multi:MultiConnectorWorker",
+    ),
 }

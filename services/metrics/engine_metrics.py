@@ -206,6 +206,17 @@ class EngineMetrics:
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         ).labels(*lv)
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        ).labels(*lv)
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        ).labels(*lv)
+        self._last_external = (0, 0)
 
         h = histogram
         self.ttft = h("vllm:time_to_first_token_seconds",
@@ -358,6 +369,11 @@ class EngineMetrics:
         if prefix.hits > last_hits:
             self.prefix_cache_hits.inc(prefix.hits - last_hits)
         self._last_prefix = (prefix.queries, prefix.hits)
+        if (external := stats.connector_prefix_cache_stats) is not None:
+            last_queries, last_hits = self._last_external
+            self.external_prefix_cache_queries.inc(external.queries - last_queries)
+            self.external_prefix_cache_hits.inc(external.hits - last_hits)
+            self._last_external = (external.queries, external.hits)
         if stats.num_preemptions > self._last_preemptions:
             self.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions

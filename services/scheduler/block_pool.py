@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from services.scheduler.block_hash import BlockHash
@@ -11,6 +12,15 @@ from services.scheduler.kv_cache_metrics import KVCacheMetrics
 from services.scheduler.stats import PrefixCacheStats
 
 NULL_BLOCK_ID = 0
+
+
+class BlockListener(Protocol):
+    """Told of blocks entering and leaving the prefix cache (a KV connector that keeps
+    blocks beyond the pool: ``offload``, ``storage``)."""
+
+    def on_block_cached(self, block_hash: BlockHash, block_id: int) -> None: ...
+
+    def on_block_evicted(self, block_hash: BlockHash, block_id: int) -> None: ...
 
 
 class BlockPool:
@@ -56,6 +66,7 @@ class BlockPool:
         self._events: list[KVCacheEvent] = []
         self.metrics = metrics
         self.prefix_cache_stats = PrefixCacheStats()
+        self.listener: BlockListener | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -85,6 +96,8 @@ class BlockPool:
             if block.block_hash is not None:
                 del self.cached_block_hash_to_block[block.block_hash]
                 evicted.append(block.block_hash)
+                if self.listener is not None:
+                    self.listener.on_block_evicted(block.block_hash, block.block_id)
                 block.block_hash = None
             block.ref_cnt = 1
             block.generation += 1
@@ -130,6 +143,8 @@ class BlockPool:
             if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
+                if self.listener is not None:
+                    self.listener.on_block_cached(block_hash, block.block_id)
                 if not run:
                     run_start = i
                 run.append(block_hash)

@@ -42,7 +42,7 @@ class EngineCore:
             enable_kv_cache_events=enable_kv_cache_events,
             pipeline_depth=pp,
             async_scheduling=config.scheduler.async_scheduling,
-            kv_connector=create_scheduler_connector(config),
+            kv_connector=create_scheduler_connector(config, executor.kv_block_bytes),
         )
         self.last_execute_s = 0.0  # the wait for the workers in the last step, for metrics
         self._in_flight: deque[StepPlan] = deque()  # submitted, result not yet taken in

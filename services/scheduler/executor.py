@@ -35,13 +35,15 @@ class WorkerDied(RuntimeError):
 
 class Executor(ABC):
     """Runs every StepPlan on every worker rank, in order, and returns the output rank's
-    StepResult. ``num_blocks`` is the KV cache blocks every rank can hold.
+    StepResult. ``num_blocks`` is the KV cache blocks every rank can hold;
+    ``kv_block_bytes`` one block's bytes over all ranks (0: unknown).
 
     Several plans may be submitted before the oldest result is collected (the engine
     core keeps one in flight per pipeline stage); ``collect`` returns them in plan order.
     """
 
     num_blocks: int
+    kv_block_bytes: int = 0
 
     @abstractmethod
     def submit(self, plan: StepPlan) -> None: ...
@@ -67,6 +69,7 @@ class UniprocExecutor(Executor):
         )
         self.worker = backend(config, folder, SINGLE_RANK)
         self.num_blocks = self.worker.determine_num_blocks()
+        self.kv_block_bytes = self.worker.kv_cache_bytes_per_block()
         max_len = config.scheduler.resolved_max_model_len
         check_kv_capacity(self.num_blocks, config.cache.block_size, max_len)
         self.worker.initialize_kv_cache(self.num_blocks)
@@ -99,9 +102,11 @@ class MultiprocExecutor(Executor):
         num_ranks: int,
         num_blocks: int,
         is_alive: Callable[[], str | None] | None = None,
+        kv_block_bytes: int = 0,
     ) -> None:
         self.num_ranks = num_ranks
         self.num_blocks = num_blocks
+        self.kv_block_bytes = kv_block_bytes
         self._plans = XPubSocket[StepPlan](plans_endpoint, StepPlan, bind=True)
         self._results = PullSocket[StepResult](results_endpoint, StepResult, bind=True)
         self._is_alive = is_alive

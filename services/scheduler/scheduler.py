@@ -33,7 +33,7 @@ from services.scheduler.request import (
     reaches_length,
 )
 from services.scheduler.request_queue import create_request_queue
-from services.scheduler.stats import SchedulerStats
+from services.scheduler.stats import PrefixCacheStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,12 @@ class Scheduler:
             enable_kv_cache_events=enable_kv_cache_events,
             metrics=metrics,
         )
+        if kv_connector is not None:
+            self.kv_cache_manager.block_pool.listener = kv_connector
+            kv_connector.enable_events(enable_kv_cache_events)
+        # Prompt tokens asked of the connector and supplied by it (vLLM's
+        # vllm:external_prefix_cache_queries / _hits), once per admission.
+        self.connector_prefix_cache_stats = PrefixCacheStats()
         self.block_hasher: BlockHasher | None = None
         if cache_config.enable_prefix_caching:
             self.block_hasher = BlockHasher(
@@ -258,7 +264,13 @@ class Scheduler:
         for request in list(self.loaded.values()):
             if len(self.running) >= cfg.max_num_seqs or token_budget == 0:
                 break
-            num_new = request.num_tokens - request.num_computed_tokens  # its last token
+            # The rest of its prompt: its last token, or more where the connector supplied
+            # a prefix only (offload, storage).
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > token_budget and cfg.enable_chunked_prefill:
+                num_new = token_budget
             if (
                 num_new > token_budget
                 or self.kv_cache_manager.allocate_slots(request, num_new) is None
@@ -295,9 +307,7 @@ class Scheduler:
                 request.waiting_reason = "capacity"
                 break
             self.waiting.pop()
-            self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+            self._record_cache_queries(request, num_hit, 0)
             request.num_computed_tokens = num_hit
             self._admit(request, scheduled_new)
             num_scheduled[request.req_id] = num_new
@@ -374,9 +384,7 @@ class Scheduler:
             request.waiting_reason = "capacity"
             return False
         self.waiting.pop()
-        manager.record_prefix_cache_query(request, num_hit)
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit
+        self._record_cache_queries(request, num_hit, num_external)
         self.connector.update_state_after_alloc(
             request, manager.get_block_ids(request.req_id), num_external
         )
@@ -384,6 +392,16 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.req_id] = request
         return True
+
+    def _record_cache_queries(self, request: Request, num_hit: int, num_external: int) -> None:
+        """An admitted request's prefix lookups; its cached tokens count both (as vLLM)."""
+        self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
+        if self.connector is not None:
+            self.connector_prefix_cache_stats.record(
+                request.num_tokens, num_external, preempted=request.num_preemptions > 0
+            )
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit + num_external
 
     def update_from_kv_transfers(self, done: KVTransferDone) -> None:
         """One worker rank's report of transfers that ended: free holds that are over,
@@ -549,11 +567,19 @@ class Scheduler:
         return finished
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.kv_cache_manager.block_pool.take_events()
+        events = self.kv_cache_manager.block_pool.take_events()
+        if self.connector is not None:
+            events += self.connector.take_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (vLLM's /reset_prefix_cache); False while blocks are in use."""
-        return self.kv_cache_manager.block_pool.reset_prefix_cache()
+        """Forget the prefix cache (vLLM's /reset_prefix_cache) and the connector's tiers
+        beyond it; False while blocks are in use."""
+        if not self.kv_cache_manager.block_pool.reset_prefix_cache():
+            return False
+        if self.connector is not None:
+            self.connector.reset_prefix_cache()
+        return True
 
     def take_kv_cache_residency(self) -> KVCacheResidency | None:
         """Sampled block residency since the last call; None unless ``kv_cache_metrics``."""
@@ -572,6 +598,9 @@ class Scheduler:
             num_waiting_by_reason=by_reason,
             kv_cache_usage=pool.get_usage(),
             prefix_cache_stats=pool.prefix_cache_stats,
+            connector_prefix_cache_stats=(
+                self.connector_prefix_cache_stats if self.connector is not None else None
+            ),
             num_preemptions=self.num_preemptions,
             step_num_scheduled_tokens=self._last_step_num_tokens,
         )

@@ -58,6 +58,7 @@ class EngineCoreProc:
             ep.step_results,
             engine.parallel.world_size,
             config.num_blocks,
+            kv_block_bytes=config.kv_block_bytes,
         )
         self.core = EngineCore(
             engine,

@@ -46,5 +46,7 @@ class SchedulerStats:
     num_waiting_by_reason: dict[str, int] = field(default_factory=dict)
     kv_cache_usage: float = 0.0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # Prompt tokens asked of a KV connector and supplied by it; None without a connector.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
     num_preemptions: int = 0
     step_num_scheduled_tokens: int = 0  # vllm:iteration_tokens_total, last step
