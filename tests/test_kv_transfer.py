@@ -368,6 +368,8 @@ def test_bad_kv_transfer_params_refuse_the_request():
     s = scheduler("kv_consumer")
     with pytest.raises(ValueError, match="tensor parallel size 2"):
         s.add_request(request("d1", 8, params=remote_params(2, tp=2)))
+    with pytest.raises(ValueError, match="KV blocks of 32 tokens and this one of 4"):
+        s.add_request(request("d1", 8, params={**remote_params(2), "remote_block_size": 32}))
     with pytest.raises(ValueError, match="remote_block_ids must be a list, got None"):
         s.add_request(request("d2", 8, params={"do_remote_prefill": True}))
     with pytest.raises(ValueError, match="kv_role is kv_consumer"):

@@ -105,6 +105,7 @@ class RemotePrefill:
     host: str
     port: int
     tp_size: int
+    block_size: int  # the prefill side's (0: not said)
     lease_s: float  # the prefill side's: renew every third of it
     prompt_hash: str  # the prompt the blocks hold (checked against this request's)
     renewed_at: float = 0.0
@@ -131,6 +132,7 @@ class RemotePrefill:
             host=need("remote_host", str),
             port=need("remote_port", int),
             tp_size=int(p.get("tp_size") or 1),
+            block_size=int(p.get("remote_block_size") or 0),
             lease_s=float(p.get("remote_lease_s") or 60.0),
             prompt_hash=str(p.get("remote_prompt_hash") or ""),
         )
@@ -192,6 +194,13 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                 raise ValueError(
                     f"the prefill instance has tensor parallel size {remote.tp_size} and this "
                     f"one {tp}: p2p moves each rank's shard to the same rank"
+                )
+            block_size = engine.cache.block_size
+            if remote.block_size not in (0, block_size):
+                raise ValueError(
+                    f"the prefill instance has KV blocks of {remote.block_size} tokens and this "
+                    f"one of {block_size}: p2p moves whole blocks (give both --block-size "
+                    f"{block_size})"
                 )
         elif params.get("do_remote_decode") and not config.is_producer:
             raise ValueError("kv_transfer_params asks for a remote decode; kv_role is kv_consumer")
@@ -309,6 +318,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             "remote_host": self.config.kv_ip,
             "remote_port": self.config.kv_port,
             "tp_size": self.tp_size,
+            "remote_block_size": self.engine.cache.block_size,
             "remote_lease_s": self.lease_s,
             "remote_prompt_hash": prompt,
         }
