@@ -118,8 +118,16 @@ def test_precise_index_counts_blocks_per_engine() -> None:
     assert index.matched_blocks([1, 2], ["q"]) == {"q": 1}
     index.apply(("r", 0), [AllBlocksCleared()])
     assert index.matched_blocks([1, 9], ["r"]) == {"r": 2}  # engine 1 still has them
-    index.apply(("r", 1), [BlockStored([7], None, [], 4, medium="CPU")])  # another tier
-    assert index.matched_blocks([7], ["r"]) == {"r": 0}
+    # A connector's tier (offload: CPU) counts as held: the engine loads, not computes it;
+    # its removal leaves the device pool's copy alone, and the device's removal the tier's.
+    index.apply(("r", 1), [BlockStored([7, 8], None, [], 4, medium="CPU")])
+    assert index.matched_blocks([1, 9, 7, 8], ["r"]) == {"r": 4}
+    index.apply(("r", 1), [BlockRemoved([9], medium="CPU")])  # not in that tier: no change
+    index.apply(("r", 1), [BlockRemoved([7], medium="CPU")])
+    assert index.matched_blocks([1, 9, 7, 8], ["r"]) == {"r": 2}
+    index.apply(("r", 1), [BlockStored([7], None, [], 4), BlockRemoved([8])])
+    assert index.matched_blocks([1, 9, 7, 8], ["r"]) == {"r": 4}
+    assert index.size("r") == 3  # device blocks only: 1, 9, 7 on engine 1 (engine 0 cleared)
     index.forget("r")
     assert not index.has("r") and index.has("q")
 

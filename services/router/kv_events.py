@@ -19,7 +19,10 @@ Where the anchors lose track, this keeps the index correct:
 Both encodings vLLM has used are read: array-like structs (``[ts, events, dp_rank]``,
 events ``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, ...]``; ours)
 and maps (``{"ts": ..., "events": [{"type": "BlockStored", ...}]}``, vLLM since late 2026).
-Only the engine's own pool counts (medium ``GPU`` or none): other tiers are another index.
+Blocks of the engine's own pool (medium ``GPU`` or none) and of the tiers a KV connector
+keeps beyond it (``CPU``: offload; ``DISK``: storage) are indexed apart, so that one
+tier's removal never drops another's; a prompt block held in any tier counts as matched,
+since the engine loads it instead of computing it.
 """
 
 from __future__ import annotations
@@ -137,36 +140,42 @@ def key(h: BlockHash) -> int:
 
 
 class PreciseIndex:
-    """Per engine core of each replica, how many cached blocks carry each hash."""
+    """Per engine core of each replica, how many cached blocks carry each hash: in its
+    device pool (``_held``) and in its connector's other tiers (``_lower``)."""
 
     def __init__(self) -> None:
         self._held: dict[Source, Counter[int]] = {}
+        self._lower: dict[Source, Counter[int]] = {}
 
     def apply(self, source: Source, events: Iterable[KVCacheEvent]) -> None:
-        held = self._held.setdefault(source, Counter())
+        device = self._held.setdefault(source, Counter())
+        lower = self._lower.setdefault(source, Counter())
         for event in events:
             if isinstance(event, BlockStored):
-                if event.medium in _DEVICE_MEDIA:
-                    held.update(key(h) for h in event.block_hashes)
+                held = device if event.medium in _DEVICE_MEDIA else lower
+                held.update(key(h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                if event.medium in _DEVICE_MEDIA:
-                    for k in map(key, event.block_hashes):
-                        if held[k] > 1:
-                            held[k] -= 1
-                        else:
-                            held.pop(k, None)
-            elif isinstance(event, AllBlocksCleared):
-                held.clear()
+                held = device if event.medium in _DEVICE_MEDIA else lower
+                for k in map(key, event.block_hashes):
+                    if held[k] > 1:
+                        held[k] -= 1
+                    else:
+                        held.pop(k, None)
+            elif isinstance(event, AllBlocksCleared):  # the engine forgets its tiers too
+                device.clear()
+                lower.clear()
 
     def clear(self, source: Source) -> None:
         self._held.pop(source, None)
+        self._lower.pop(source, None)
 
     def forget(self, replica: str) -> None:
         for source in [s for s in self._held if s[0] == replica]:
-            del self._held[source]
+            self.clear(source)
 
     def holds(self, source: Source, h: BlockHash) -> bool:
-        return key(h) in self._held.get(source, ())
+        k = key(h)
+        return k in self._held.get(source, ()) or k in self._lower.get(source, ())
 
     def matched_blocks(
         self, hashes: Sequence[BlockHash], replicas: Iterable[str]
@@ -175,18 +184,20 @@ class PreciseIndex:
         wanted = set(replicas)
         out = dict.fromkeys(wanted, 0)
         keys = [key(h) for h in hashes]
-        for (replica, _), held in self._held.items():
-            if replica not in wanted:
+        for source, held in self._held.items():
+            if source[0] not in wanted:
                 continue
+            lower = self._lower.get(source, Counter())
             n = 0
             for k in keys:
-                if k not in held:
+                if k not in held and k not in lower:
                     break
                 n += 1
-            out[replica] = max(out[replica], n)
+            out[source[0]] = max(out[source[0]], n)
         return out
 
     def size(self, replica: str) -> int:
+        """Blocks the replica's device pools hold."""
         return sum(len(held) for (r, _), held in self._held.items() if r == replica)
 
     def has(self, replica: str) -> bool:
