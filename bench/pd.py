@@ -181,6 +181,7 @@ def transfer(tokens: list[int], repeats: int) -> dict[str, Any]:
                     holds=[P2PHold(req, blocks, [1] * len(blocks), 60.0)])))  # fmt: skip
                 cons.bind_connector_metadata(_encode(P2PMetadata(loads=[P2PLoad(
                     "d" + req, blocks, req, blocks, [1] * len(blocks), "127.0.0.1", port)])))  # fmt: skip
+                cons.start_load_kv()
                 done = cons_reports.take("d" + req)
                 if r:
                     times.append(done.seconds)

@@ -394,6 +394,8 @@ def run_server(args: object) -> int:
     flags = vars(args)
     offload = flags.get("kv_offload_bytes")
     if (gib := flags.get("kv_offloading_size")) is not None:
+        if offload is not None:
+            raise ConfigError("give --kv-offload-bytes or --kv-offloading-size, not both")
         offload = int(gib * (1 << 30))
     engine.kv_transfer = KVTransferConfig.from_flags(flags.get("kv_transfer_config"), offload)
     model = engine.model.model

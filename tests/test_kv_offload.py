@@ -243,6 +243,114 @@ def test_an_abort_while_loading_frees_the_blocks_once_the_load_ends():
     s.check_integrity()
 
 
+def test_loaded_requests_that_compute_the_rest_of_their_prompt_never_deadlock():
+    """A load takes blocks for the whole prompt, not only the loaded part: two requests
+    that load a shared first block and then compute 14 tokens each never wait, loaded,
+    for blocks only the other's run would free."""
+    cfg = engine(kv_offload_bytes=8 * 2048)
+    s = _scheduler(6, OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048))
+    a = list(range(100, 117))
+    _run(s, _request("a", a))
+    _run(s, _request("b", list(range(200, 220))))  # a's blocks go to the host tier
+    for name, first in (("c1", 300), ("c2", 400)):
+        s.add_request(_request(name, a[:4] + list(range(first, first + 14))))
+    finished: set[str] = set()
+    for _ in range(30):
+        plan = s.schedule()
+        for req_id in list(s.loading):
+            s.update_from_kv_transfers(KVTransferDone(0, finished_recving=[req_id]))
+        sampled = sorted(s._sampling_by_step.get(plan.step_id, set()))
+        result = None if plan.is_empty else StepResult(plan.step_id, sampled, [7] * len(sampled))
+        finished.update(o.req_id for o in s.update_from_output(plan, result) if o.finish_reason)
+        s.check_integrity()
+    assert finished == {"c1", "c2"}
+    assert s.kv_cache_manager.block_pool.get_usage() == 0.0
+
+
+def test_the_host_tier_evicts_a_prefix_from_its_tail():
+    """LRU over chains: a lookup touches the blocks last first, so the tier later evicts
+    the tail of a prefix, never its head (which would strand the rest)."""
+    cfg = engine(kv_offload_bytes=4 * 2048)
+    off = OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048)
+    s = _scheduler(6, off)
+    a = list(range(100, 117))
+    _run(s, _request("a", a))
+    _run(s, _request("b", list(range(200, 220))))
+    again = _request("a2", a)
+    s.add_request(again)
+    assert off.get_num_new_matched_tokens(again, 0) == (16, True)
+    off.build_connector_meta()
+    off.on_block_evicted(b"x" * 32, 5)  # one new block into the full tier
+    assert [off.key_of(h) is not None for h in again.block_hashes] == [True, True, True, False]
+    assert off.get_num_new_matched_tokens(again, 0) == (12, True)
+
+
+def test_a_failed_load_counts_its_recompute_apart():
+    cfg = engine(kv_offload_bytes=8 * 2048)
+    s = _scheduler(6, OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048))
+    a = list(range(100, 117))
+    _run(s, _request("a", a))
+    _run(s, _request("b", list(range(200, 220))))
+    local = s.kv_cache_manager.block_pool.prefix_cache_stats
+    queries = local.queries
+    again = _request("a2", a)
+    s.add_request(again)
+    plan = s.schedule()
+    s.update_from_output(plan, None)
+    s.update_from_kv_transfers(KVTransferDone(0, failed_recving=["a2"]))
+    plan = s.schedule()
+    s.update_from_output(plan, StepResult(plan.step_id, ["a2"], [7]))
+    assert again.num_cached_tokens == 0  # what the recompute found, not the failed load
+    assert local.queries - queries == 17 and local.preempted_queries == 17
+
+
+def test_multi_loads_from_the_connector_that_supplies_most():
+    """multi [offload, p2p] on a decode instance: the host tier holds 8 of the prompt's
+    tokens, the prefill instance all but the last: p2p loads it."""
+    from services.kv_transfer.p2p import prompt_hash
+
+    cfg = EngineConfig.from_kwargs(block_size=4)
+    cfg.kv_transfer = KVTransferConfig.from_json(json.dumps({
+        "kv_connector": "multi", "kv_role": "kv_consumer", "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "offload",
+                            "kv_connector_extra_config": {"kv_offload_bytes": 2 * 2048}},
+                           {"kv_connector": "p2p", "kv_port": 1}]}}))  # fmt: skip
+    multi = MultiConnectorScheduler(cfg.kv_transfer, cfg, 2048)
+    off, p2p = multi.children
+    s = _scheduler(6, multi)
+    a = list(range(100, 117))
+    _run(s, _request("a", a))
+    _run(s, _request("b", list(range(200, 220))))
+    assert off.num_stored == 2
+    params = {"do_remote_prefill": True, "remote_request_id": "pre-1",
+              "remote_block_ids": [1, 2, 3, 4, 5], "remote_host": "127.0.0.1",
+              "remote_port": 1, "remote_prompt_hash": prompt_hash(a)}  # fmt: skip
+    s.add_request(Request("d1", a, SamplingParams(max_tokens=3), kv_transfer_params=params))
+    plan = s.schedule()
+    assert "d1" in p2p._loading and "d1" not in off._loading
+    assert s.requests["d1"].num_computed_tokens == 16
+    # Reports are routed by the connector's place in the list.
+    s.update_from_output(plan, None)
+    s.update_from_kv_transfers(KVTransferDone(0, finished_recving=["d1"], connector=0))
+    assert "d1" in s.loading
+    s.update_from_kv_transfers(KVTransferDone(0, finished_recving=["d1"], connector=1))
+    assert "d1" in s.loaded
+
+
+def test_storage_namespaces_part_what_differs(tmp_path):
+    from services.kv_transfer.storage import store_dir
+
+    def ns(**kwargs) -> str:
+        cfg = EngineConfig.from_kwargs(device="cpu", **kwargs)
+        kv = KVTransferConfig("storage", kv_connector_extra_config={"path": str(tmp_path)})
+        return store_dir(kv, cfg).name
+
+    assert ns(load_format="dummy", seed=1) != ns(load_format="dummy", seed=2)
+    assert ns(dtype="auto") == ns(dtype="float32") == ns(dtype="float")
+    assert ns(dtype="bfloat16") != ns(dtype="float32")
+    assert ns(block_size=16) != ns(block_size=32)
+
+
 def test_config_errors_are_clear(tmp_path):
     cfg = engine()
     with pytest.raises(ConfigError, match="kv_offload_bytes"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -60,6 +61,14 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     check_kv_capacity(num_blocks, engine.cache.block_size, max_len)
     worker.initialize_kv_cache(num_blocks)
     connector = _kv_connector(engine, worker, rank, endpoints.engine_core)
+    if connector is not None:
+        # Stopped by the launcher: the connector ends its work first (storage writes the
+        # blocks still queued for the disk).
+        def stop(*_: object) -> None:
+            connector.shutdown()
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
     # Across machines a crashed node 0 closes no connection: heartbeats notice it.
     heartbeat: dict[int, int] = {zmq.HEARTBEAT_IVL: 2000, zmq.HEARTBEAT_TIMEOUT: 10_000}
     plans = SubSocket[StepPlan](

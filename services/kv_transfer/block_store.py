@@ -50,6 +50,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(BlockStoreMetadata)
 
 Key = int | str  # where a block is stored: a host slot, a file name
+_GATHER_BLOCKS = 64
 
 
 class BlockStoreScheduler(KVConnectorScheduler):
@@ -86,6 +87,9 @@ class BlockStoreScheduler(KVConnectorScheduler):
         """Drop a stored block (a load of it failed)."""
         raise NotImplementedError
 
+    def touch(self, hashes: list[BlockHash]) -> None:  # noqa: B027 - optional hook
+        """These blocks were asked for, in this order: recently used (LRU stores)."""
+
     def keep_for_load(self, key: Key) -> None:  # noqa: B027 - optional hook
         """``key`` is loaded by this step: keep it until the metadata is built."""
 
@@ -110,11 +114,13 @@ class BlockStoreScheduler(KVConnectorScheduler):
         if request.skip_reading_prefix_cache or num_computed_tokens % bs:
             return 0, False
         start = num_computed_tokens // bs
-        keys = []
+        keys, hashes = [], []
         for block_hash in request.block_hashes[start:]:
             if (key := self.key_of(block_hash)) is None:
                 break
             keys.append(key)
+            hashes.append(block_hash)
+        self.touch(hashes[::-1])  # last first: a chain's head is evicted last
         # The last prompt token is always computed: it samples.
         num_tokens = min((start + len(keys)) * bs, request.num_tokens - 1) - num_computed_tokens
         if num_tokens <= 0:
@@ -208,9 +214,10 @@ class BlockStoreWorker(KVConnectorWorker):
         if not metadata:
             return
         meta = _decoder.decode(metadata)
-        if meta.save_keys:
-            blocks = self.gather(meta.save_block_ids)
-            for i, key in enumerate(meta.save_keys):
+        keys, ids = meta.save_keys, meta.save_block_ids
+        for start in range(0, len(keys), _GATHER_BLOCKS):  # bounded device temporaries
+            blocks = self.gather(ids[start : start + _GATHER_BLOCKS])
+            for i, key in enumerate(keys[start : start + _GATHER_BLOCKS]):
                 self.put(key, blocks[:, :, i])
         self._loads.extend(meta.loads)
 
@@ -250,8 +257,10 @@ class BlockStoreWorker(KVConnectorWorker):
         import torch
 
         try:
-            blocks = torch.stack([self.get(key) for key in load.keys], dim=2)
-            self.scatter(load.block_ids, blocks)
+            for start in range(0, len(load.keys), _GATHER_BLOCKS):
+                part = slice(start, start + _GATHER_BLOCKS)
+                blocks = torch.stack([self.get(key) for key in load.keys[part]], dim=2)
+                self.scatter(load.block_ids[part], blocks)
         except Exception:
             logger.exception(
                 "%s: loading %d blocks of %s failed; it recomputes them",

@@ -2,8 +2,10 @@
 
 ``kv_connector_extra_config.connectors``: a list of connector configs (the same JSON as
 ``--kv-transfer-config``, role and engine id inherited), e.g. host offload in front of a
-file store, or p2p with offload. A request loads from the first connector that supplies
-any of its prompt; every connector sees every block-pool change (each saves what it
+file store, or p2p with offload. A request loads from the connector that supplies most of
+its prompt, the first of those on a tie (vLLM takes the first that supplies any: a host
+tier listed before p2p would then load a few blocks and leave the prefill instance's KV
+unpulled); every connector sees every block-pool change (each saves what it
 keeps); a finished request's blocks are held while any connector holds them, and its
 ``kv_transfer_params`` are the first connector's that gives some. Worker halves bind
 their metadata in order, all before any starts a load, and report tagged with their
@@ -90,12 +92,14 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        best, best_i = (0, False), -1
         for i, child in enumerate(self.children):
-            num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
-            if num_tokens:
-                self._chosen[request.req_id] = i
-                return num_tokens, load_async
-        return 0, False
+            found = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if found[0] > best[0]:
+                best, best_i = found, i
+        if best_i >= 0:
+            self._chosen[request.req_id] = best_i
+        return best
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int

@@ -56,7 +56,8 @@ def slot_bytes(kv_block_bytes: int, dtype: str, engine: EngineConfig) -> int:
     else:
         elem = _DTYPE_BYTES.get(name, 2)
     elements = kv_block_bytes // elem
-    return elements + elements // 32  # int8, and float32 scales: one per head_dim * block_size
+    # int8, and float32 scales: 4 bytes per block_size x head_dim >= 256 elements
+    return elements + elements // 64
 
 
 class OffloadConnectorScheduler(BlockStoreScheduler):
@@ -83,10 +84,11 @@ class OffloadConnectorScheduler(BlockStoreScheduler):
         self._kept: set[int] = set()  # slots this step loads from
 
     def key_of(self, block_hash: BlockHash) -> Key | None:
-        slot = self._slots.get(block_hash)
-        if slot is not None:
-            self._slots.move_to_end(block_hash)  # asked for: recently used
-        return slot
+        return self._slots.get(block_hash)
+
+    def touch(self, hashes: list[BlockHash]) -> None:
+        for block_hash in hashes:
+            self._slots.move_to_end(block_hash)
 
     def keep_for_load(self, key: Key) -> None:
         assert isinstance(key, int)

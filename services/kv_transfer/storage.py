@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services.config import DTYPES
 from services.flags import ConfigError
 from services.kv_transfer.block_store import BlockStoreScheduler, BlockStoreWorker, Key
 from services.kv_transfer.config import KVTransferConfig
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _SUFFIX = ".safetensors"
+_MAX_WRITING = 4096  # blocks queued for the disk; past that a save is dropped
 
 
 def store_dir(config: KVTransferConfig, engine: EngineConfig) -> Path:
@@ -55,15 +57,19 @@ def store_dir(config: KVTransferConfig, engine: EngineConfig) -> Path:
     model = engine.model.model or "default"
     if os.path.exists(model):
         model = os.path.realpath(model)
+    dtype = DTYPES[engine.model.dtype]
+    if dtype == "auto":  # the worker's rule (model_runner.resolve_dtype)
+        dtype = "bfloat16" if engine.worker.resolved_device() == "cuda" else "float32"
     identity = {
         "model": model,
         "load_format": engine.model.load_format,
-        "dtype": engine.model.dtype,
+        "seed": engine.model.seed,  # a dummy model's weights
+        "dtype": dtype,
         "block_size": engine.cache.block_size,
         "tp": engine.parallel.tensor_parallel_size,
         "pp": engine.parallel.pipeline_parallel_size,
         "hash": engine.cache.prefix_caching_hash_algo,
-        "seed": os.environ.get("PYTHONHASHSEED"),
+        "hash_seed": os.environ.get("PYTHONHASHSEED"),
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return Path(path).expanduser() / digest
@@ -123,6 +129,8 @@ class StorageConnectorWorker(BlockStoreWorker):
         super().__init__(config, engine, rank, report)
         self.dir = store_dir(config, engine) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        for tmp in self.dir.glob("*.tmp*"):  # a process killed mid-write left it
+            tmp.unlink(missing_ok=True)
         self._lock = threading.Lock()
         self._writing: dict[str, torch.Tensor] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-storage-write")
@@ -135,8 +143,15 @@ class StorageConnectorWorker(BlockStoreWorker):
 
     def put(self, key: Key, block: torch.Tensor) -> None:
         assert isinstance(key, str)
-        copy = block.to("cpu", copy=True)
         with self._lock:
+            if len(self._writing) >= _MAX_WRITING:
+                # The disk is behind: the block is not stored (a load of it fails, and
+                # the request computes it).
+                logger.warning(
+                    "storage: %d blocks wait for the disk; not saving %s", len(self._writing), key
+                )
+                return
+            copy = block.to("cpu", copy=True)
             self._writing[key] = copy
         self._writer.submit(self._write, key, copy)
 
@@ -148,7 +163,7 @@ class StorageConnectorWorker(BlockStoreWorker):
         try:
             save_file({"kv": block}, str(tmp), metadata={"layout": self._layout_json})
             os.replace(tmp, path)
-        except OSError:
+        except Exception:
             logger.exception("storage: writing block %s to %s failed", key, path)
             tmp.unlink(missing_ok=True)
         finally:

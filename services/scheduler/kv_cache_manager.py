@@ -126,7 +126,7 @@ class KVCacheManager:
     def record_prefix_cache_query(self, request: Request, num_hit_tokens: int) -> None:
         if self.enable_caching and not request.skip_reading_prefix_cache:
             self.block_pool.prefix_cache_stats.record(
-                request.num_tokens, num_hit_tokens, preempted=request.num_preemptions > 0
+                request.num_tokens, num_hit_tokens, preempted=request.is_recomputing
             )
 
     def check_integrity(self) -> None:

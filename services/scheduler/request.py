@@ -100,6 +100,7 @@ class Request:
         self.events: list[tuple[RequestEventType, float]] = []
 
         self.block_hashes: list[BlockHash] = []
+        self.load_failed = False  # a KV connector's load of its prompt failed: recomputed
         self._block_hasher: Callable[[Request], list[BlockHash]] | None = None
 
         # Prompt tokens 1.. scored so far (prompt_logprobs), sent once with the first output.
@@ -117,6 +118,12 @@ class Request:
             cache_salt=msg.cache_salt,
             kv_transfer_params=msg.kv_transfer_params,
         )
+
+    @property
+    def is_recomputing(self) -> bool:
+        """Admitted again after a preemption or a failed KV load (its prefix lookups are
+        counted apart, as vLLM counts preempted ones)."""
+        return self.num_preemptions > 0 or self.load_failed
 
     def set_block_hasher(self, block_hasher: Callable[[Request], list[BlockHash]]) -> None:
         self._block_hasher = block_hasher

@@ -372,15 +372,17 @@ class Scheduler:
         part of its prompt asynchronously: True. None when it does not (schedule the request
         as usual); False when its blocks do not fit (nothing changed; it waits, "capacity").
 
-        The blocks cover the whole prompt, the last token's slot too, so that once loaded
-        the request runs without needing another block: loaded requests waiting for a
-        block that only their own admission could free would never run."""
+        The blocks cover the whole prompt (what is loaded, what it then computes, the last
+        token's slot), so that once loaded the request runs without needing another
+        block: loaded requests waiting for blocks that only their own admission could
+        free would never run."""
         assert self.connector is not None
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
         if not (num_external and load_async):
             return None
         manager = self.kv_cache_manager
-        if manager.allocate_slots(request, num_external + 1, hit_blocks, num_hit) is None:
+        num_new = request.num_tokens - num_hit
+        if manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
             request.waiting_reason = "capacity"
             return False
         self.waiting.pop()
@@ -396,9 +398,9 @@ class Scheduler:
     def _record_cache_queries(self, request: Request, num_hit: int, num_external: int) -> None:
         """An admitted request's prefix lookups; its cached tokens count both (as vLLM)."""
         self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
-        if self.connector is not None:
+        if self.connector is not None and not request.skip_reading_prefix_cache:
             self.connector_prefix_cache_stats.record(
-                request.num_tokens, num_external, preempted=request.num_preemptions > 0
+                request.num_tokens, num_external, preempted=request.is_recomputing
             )
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit + num_external
@@ -420,11 +422,14 @@ class Scheduler:
             request = self.loading.pop(req_id, None)
             if request is None:
                 continue
-            request.kv_transfer_params = None  # used: after a preemption it recomputes here
             request.status = RequestStatus.WAITING
             if req_id in failed:
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = 0
+                # It comes back as a preempted request does: its prompt lookup is counted
+                # apart, and its cached tokens are what that lookup finds.
+                request.num_cached_tokens = -1
+                request.load_failed = True
                 self.waiting.prepend(request)  # it waited longest
             else:
                 self.loaded[req_id] = request
