@@ -380,7 +380,8 @@ WORKLOADS: dict[str, tuple[int, int, float, float, float, tuple[float, ...]]] = 
 SETUPS = {"colocated": (0, 0), "2P2D": (2, 2), "1P3D": (1, 3)}
 
 
-def sim_point(setup: str, workload: str, rate: float, n: int, speed: float) -> dict[str, Any]:
+def sim_point(setup: str, workload: str, rate: float, n: int, speed: float,
+              slo: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:  # fmt: skip
     import subprocess
 
     from bench.procs import RouterProcess, ServerProcess, _Process, free_port
@@ -408,6 +409,7 @@ def sim_point(setup: str, workload: str, rate: float, n: int, speed: float) -> d
             front = RouterProcess([s.url for s in servers], "--policy", "cost", "--seed", "0")
         front.wait_ready(60)
         inp, out, ratio, ttft, tpot, _ = WORKLOADS[workload]
+        ttft, tpot = slo[0] or ttft, slo[1] or tpot
         name = f"{workload}-{setup}-{rate:g}"
         out_dir = OUT / "pd_runs"
         cmd = [sys.executable, "-m", "launch.cli", "bench", "--base-url", front.url,
@@ -428,6 +430,7 @@ def sim_point(setup: str, workload: str, rate: float, n: int, speed: float) -> d
             server.close()
     row = {
         "setup": setup, "workload": workload, "rate": rate, "completed": r["completed"],
+        "slo_ttft_ms": ttft, "slo_tpot_ms": tpot,
         "goodput_rps": r.get("request_goodput", 0.0),
         "goodput_per_gpu": r.get("request_goodput", 0.0) / 4,
         "slo_attainment": r.get("request_goodput", 0.0) / max(r["request_throughput"], 1e-9),
@@ -472,6 +475,9 @@ def plot_sim(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--name", default=None, help="output bench/out/pd_NAME.json (default: the experiment)"
+    )
     sub = p.add_subparsers(dest="experiment", required=True)
     t = sub.add_parser("transfer", help="the seed's KV transfer estimate against a measurement")
     t.add_argument("--tokens", type=int, nargs="+", default=[15, 64, 256, 1024, 2048])
@@ -488,14 +494,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: two per workload (see WORKLOADS)")  # fmt: skip
     m.add_argument("--requests", type=int, default=400)
     m.add_argument("--sim-speed", type=float, default=4.0)
+    m.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="instead of the workload's DistServe SLO")  # fmt: skip
+    m.add_argument("--slo-tpot-ms", type=float, default=None)
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"pd_{args.experiment}.json"
+    path = OUT / f"pd_{args.name or args.experiment}.json"
     if args.experiment == "transfer":
         result = transfer(args.tokens, args.repeats)
         plot_transfer(result, path.with_suffix(".png"))
     elif args.experiment == "sim":
-        rows = [sim_point(setup, w, rate, args.requests, args.sim_speed)
+        slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+        rows = [sim_point(setup, w, rate, args.requests, args.sim_speed, slo)
                 for w in args.workloads for rate in (args.rates or WORKLOADS[w][5])
                 for setup in SETUPS]  # fmt: skip
         result = {"sim_speed": args.sim_speed, "requests": args.requests, "rows": rows}
