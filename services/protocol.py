@@ -661,6 +661,7 @@ class KVPull(msgspec.Struct, **_TAGGED):
     block_ids: list[int]
     generations: list[int]
     layout: KVLayout
+    transport: str = "zmq"  # "nixl": answer where the blocks are (KVPullNixl), not them
 
 
 class KVRenew(msgspec.Struct, **_TAGGED):
@@ -690,4 +691,17 @@ class KVPullRefused(msgspec.Struct, **_TAGGED):
     reason: str
 
 
-KVSideChannelReply = KVPullLayer | KVPullRefused
+class KVPullNixl(msgspec.Struct, **_TAGGED):
+    """The answer to a NIXL pull: the prefill rank's NIXL agent (its metadata, to connect)
+    and where its blocks are: per layer, K then V, the tensor's address and bytes per block
+    (block b at ``bases[i] + b * block_bytes[i]``). The decode rank READs them itself."""
+
+    agent: str
+    metadata: bytes
+    bases: list[int]
+    block_bytes: list[int]
+    mem_type: str  # "DRAM" or "VRAM"
+    device: int = 0
+
+
+KVSideChannelReply = KVPullLayer | KVPullRefused | KVPullNixl

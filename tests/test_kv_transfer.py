@@ -117,6 +117,52 @@ def test_pull_copies_the_blocks_then_releases_the_hold():
         assert not dst[0][0][6].any()
 
 
+def test_a_pull_over_nixl_reads_the_blocks_in_place():
+    """transport nixl: the side channel says where the held blocks are; the decode rank
+    READs them (NIXL's UCX backend, here over loopback) into its own blocks, releases the
+    hold; a second pull is refused as with ZeroMQ."""
+    pytest.importorskip("nixl_cu12")
+    src, dst = caches(True), caches(False)
+    with (
+        worker("kv_producer", src, transport="nixl") as (prod, sent),
+        worker("kv_consumer", dst, transport="nixl") as (cons, got),
+    ):
+        _bind(prod, meta(holds=[P2PHold("p1", [1, 3, 5], [1, 1, 1], 30.0)]))
+        _bind(cons, meta(loads=[load("d1", [0, 2, 4], "p1", [1, 3, 5], prod.bound_port)]))  # fmt: skip
+        done = got.wait("finished_recving", "d1")
+        assert done.num_bytes == 2 * 2 * 3 * 4 * 2 * 8 * 4
+        for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+            assert torch.equal(dk[[0, 2, 4]], sk[[1, 3, 5]])
+            assert torch.equal(dv[[0, 2, 4]], sv[[1, 3, 5]])
+            assert not dk[[1, 3, 5, 6, 7]].any()
+        sent.wait("finished_sending", "p1")
+        _bind(cons, meta(loads=[load("d2", [6], "p1", [1], prod.bound_port)]))
+        got.wait("failed_recving", "d2")
+        assert not dst[0][0][6].any()
+    # A prefill rank without NIXL refuses a NIXL pull: the decode side computes the prompt.
+    with (
+        worker("kv_producer", src) as (prod, _),
+        worker("kv_consumer", caches(False), transport="nixl") as (cons, got),
+    ):
+        _bind(prod, meta(holds=[P2PHold("p1", [1], [1], 30.0)]))
+        _bind(cons, meta(loads=[load("d1", [0], "p1", [1], prod.bound_port)]))
+        got.wait("failed_recving", "d1")
+
+
+def test_nixl_missing_or_misnamed_is_a_clear_error(monkeypatch):
+    from services.kv_transfer import nixl_transport
+
+    monkeypatch.setattr(nixl_transport, "_MODULES", ("no_such_nixl._api",))
+    cfg = KVTransferConfig("p2p", "kv_consumer", kv_connector_extra_config={"transport": "nixl"})
+    w = P2PConnectorWorker(cfg, EngineConfig(), 0, Reports())
+    with pytest.raises(ConfigError, match="pip install --no-deps nixl-cu12"):
+        w.register_kv_caches(caches(False), LAYOUT)
+    w.shutdown()
+    cfg.kv_connector_extra_config["transport"] = "ucx"
+    with pytest.raises(ConfigError, match="transport must be one of zmq, nixl"):
+        P2PConnectorWorker(cfg, EngineConfig(), 0, Reports())
+
+
 def test_a_pull_naming_another_generation_is_refused():
     src, dst = caches(True), caches(False)
     with worker("kv_producer", src) as (prod, sent), worker("kv_consumer", dst) as (cons, got):
@@ -513,7 +559,7 @@ def pd_proxy(prefill: RemoteServer, decode: RemoteServer) -> Iterator[str]:
         yield served
 
 
-def _p2p(role: str, **extra: float) -> tuple[str, str]:
+def _p2p(role: str, **extra: float | str) -> tuple[str, str]:
     cfg = {"kv_connector": "p2p", "kv_role": role, "kv_port": free_port(),
            "kv_connector_extra_config": extra}  # fmt: skip
     return "--kv-transfer-config", json.dumps(cfg)
@@ -524,6 +570,27 @@ def _complete(url: str, prompt: str, **body) -> dict:
                    json={"prompt": prompt, "max_tokens": 12, "temperature": 0, **body})  # fmt: skip
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_one_prefill_one_decode_over_nixl_matches_one_instance():
+    """The same flow with NIXL moving the blocks (the decode rank READs them)."""
+    pytest.importorskip("nixl_cu12")
+    with (
+        RemoteServer(*_p2p("kv_producer", transport="nixl")) as prefill,
+        RemoteServer(*_p2p("kv_consumer", transport="nixl")) as decode,
+    ):
+        prefill.wait_ready()
+        decode.wait_ready()
+        long = " ".join(f"Item {i}: the weight is {i * 11 % 17} grams." for i in range(120))
+        with pd_proxy(prefill, decode) as url:
+            want = _complete(prefill.url, long, cache_salt="baseline")
+            got = _complete(url, long)
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["usage"]["prompt_tokens"] > 1000
+            assert metric(decode, "vllm:nixl_xfer_time_seconds_count") == 1
+            assert metric(decode, "vllm:nixl_num_failed_transfers_total") == 0
+            assert wait_metric(prefill, "vllm:kv_cache_usage_perc", 0.0, 30)
+        assert "Initialized NIXL agent" in prefill.log and "Initialized NIXL agent" in decode.log
 
 
 def test_one_prefill_one_decode_matches_one_instance():

@@ -22,7 +22,8 @@ The flow (``actorserve pd-proxy`` drives it, as vLLM's NixlConnector proxy does)
 
 The data goes worker to worker over ZeroMQ TCP (never through the proxy or a scheduler).
 ``kv_connector_extra_config``: ``lease_s`` (60), ``pull_timeout_s`` (30: the longest
-wait for the next layer before the pull counts as failed).
+wait for the next layer before the pull counts as failed), ``transport`` ("zmq"; "nixl":
+the decode rank READs the blocks over NIXL, ``nixl_transport.py``, both sides need it).
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ import zmq
 from services.flags import ConfigError
 from services.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, TransferOutcome
 from services.kv_transfer.config import KVTransferConfig
+from services.kv_transfer.nixl_transport import NixlAgent, NixlError
 from services.protocol import (
     KVLayout,
     KVPull,
     KVPullLayer,
+    KVPullNixl,
     KVPullRefused,
     KVRelease,
     KVRenew,
@@ -76,6 +79,7 @@ _reply_decoder = msgspec.msgpack.Decoder(KVSideChannelReply)
 _FORGOTTEN_KEPT = 4096  # holds that ended, remembered to refuse late pulls with a reason
 _HOLD_WAIT_S = 10.0
 _LOADS_AT_ONCE = 4
+_TRANSPORTS = ("zmq", "nixl")
 # Layers travel in messages of at least this many bytes: one message per layer cost a short
 # prompt's pull a ZeroMQ round per layer (15 tokens of 30 layers: 3.5-4.5 ms grouped against
 # 5-7.8 ms, interleaved runs), while a long prompt's layers are this big alone.
@@ -383,6 +387,13 @@ class P2PConnectorWorker(KVConnectorWorker):
     ) -> None:
         super().__init__(config, engine, rank, report)
         self.pull_timeout_s = config.extra("pull_timeout_s", 30.0)
+        self.transport = config.kv_connector_extra_config.get("transport", "zmq")
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(
+                f"--kv-transfer-config: kv_connector_extra_config.transport must be one of "
+                f"{', '.join(_TRANSPORTS)}, got {self.transport!r}"
+            )
+        self._nixl: NixlAgent | None = None
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
@@ -404,6 +415,10 @@ class P2PConnectorWorker(KVConnectorWorker):
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
     ) -> None:
         self.kv_caches, self.layout = kv_caches, layout
+        if self.transport == "nixl":
+            if self.simulated_link is not None:
+                raise ConfigError("transport nixl moves KV tensors; the simulated backend has none")
+            self._nixl = NixlAgent(f"p2p-{self.config.engine_id}-{self.rank}", kv_caches)
         if self.config.is_producer:
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -560,6 +575,13 @@ class P2PConnectorWorker(KVConnectorWorker):
         if reason is not None:
             self._refuse(sock, identity, reason)
             return
+        if pull.transport == "nixl":
+            if self._nixl is None:
+                self._refuse(sock, identity, 'this prefill instance does not serve NIXL '
+                             '(give it "transport": "nixl" too)')  # fmt: skip
+            else:
+                sock.send_multipart([identity, _meta_encoder.encode(self._nixl.describe())])
+            return
         if self.simulated_link is not None:  # no tensors: headers and empty frames
             assert self.layout is not None
             n = self.layout.num_layers
@@ -625,11 +647,14 @@ class P2PConnectorWorker(KVConnectorWorker):
                         load.remote_block_ids,
                         load.remote_generations,
                         self.layout,
+                        self.transport,
                     )
                 )
             )
             if self.simulated_link is not None:
                 return self._pull_simulated(sock, load)
+            if self._nixl is not None:
+                return self._pull_nixl(sock, load, self._nixl)
             device = self.kv_caches[0][0].device
             index = torch.tensor(load.block_ids, dtype=torch.long, device=device)
             num_bytes = 0
@@ -651,6 +676,27 @@ class P2PConnectorWorker(KVConnectorWorker):
             sock.send(_meta_encoder.encode(KVRelease(load.remote_request_id)), zmq.NOBLOCK)
             sock.close(linger=1000)  # let the release leave
 
+    def _pull_nixl(self, sock: zmq.Socket[Any], load: P2PLoad, nixl: NixlAgent) -> int:
+        """Ask where the held blocks are, then READ them over NIXL."""
+        if not sock.poll(int(self.pull_timeout_s * 1000)):
+            raise _PullFailed(f"no answer from the prefill instance in {self.pull_timeout_s:g} s")
+        reply = _reply_decoder.decode(sock.recv())
+        if isinstance(reply, KVPullRefused):
+            raise _PullFailed(f"refused: {reply.reason}")
+        if not isinstance(reply, KVPullNixl):
+            raise _PullFailed(f"expected where the blocks are, got {type(reply).__name__}")
+
+        def cancelled() -> bool:
+            with self._lock:
+                return load.req_id in self._cancelled
+
+        try:
+            return nixl.read(
+                reply, load.remote_block_ids, load.block_ids, self.pull_timeout_s, cancelled
+            )
+        except NixlError as e:
+            raise _PullFailed(f"NIXL: {e}") from None
+
     def _layer_messages(
         self, sock: zmq.Socket[Any], load: P2PLoad, num_layers: int
     ) -> Iterator[tuple[int, list[zmq.Frame]]]:
@@ -667,6 +713,8 @@ class P2PConnectorWorker(KVConnectorWorker):
             reply = _reply_decoder.decode(frames[0].buffer)
             if isinstance(reply, KVPullRefused):
                 raise _PullFailed(f"refused: {reply.reason}")
+            if not isinstance(reply, KVPullLayer):
+                raise _PullFailed(f"expected layers, got {type(reply).__name__}")
             n = reply.count
             if reply.layer != layer or n < 1 or layer + n > num_layers or len(frames) != 1 + 2 * n:
                 raise _PullFailed(f"expected layer {layer}, got {reply.layer} (+{n})")
