@@ -336,6 +336,20 @@ def test_multi_loads_from_the_connector_that_supplies_most():
     s.update_from_kv_transfers(KVTransferDone(0, finished_recving=["d1"], connector=1))
     assert "d1" in s.loaded
 
+    # A tie (the tier holds the whole prompt too): the first listed loads it, and p2p
+    # gives the prefill instance's hold up instead of renewing it until the request ends.
+    cfg.kv_transfer.kv_connector_extra_config["connectors"][0]["kv_connector_extra_config"][
+        "kv_offload_bytes"
+    ] = 8 * 2048
+    multi = MultiConnectorScheduler(cfg.kv_transfer, cfg, 2048)
+    off, p2p = multi.children
+    s = _scheduler(6, multi)
+    _run(s, _request("a", a))
+    _run(s, _request("b", list(range(200, 220))))
+    s.add_request(Request("d2", a, SamplingParams(max_tokens=3), kv_transfer_params=params))
+    s.schedule()
+    assert "d2" in off._loading and "d2" not in p2p._loading and "d2" not in p2p._queued
+
 
 def test_storage_namespaces_part_what_differs(tmp_path):
     from services.kv_transfer.storage import store_dir

@@ -61,14 +61,6 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     check_kv_capacity(num_blocks, engine.cache.block_size, max_len)
     worker.initialize_kv_cache(num_blocks)
     connector = _kv_connector(engine, worker, rank, endpoints.engine_core)
-    if connector is not None:
-        # Stopped by the launcher: the connector ends its work first (storage writes the
-        # blocks still queued for the disk).
-        def stop(*_: object) -> None:
-            connector.shutdown()
-            os._exit(0)
-
-        signal.signal(signal.SIGTERM, stop)
     # Across machines a crashed node 0 closes no connection: heartbeats notice it.
     heartbeat: dict[int, int] = {zmq.HEARTBEAT_IVL: 2000, zmq.HEARTBEAT_TIMEOUT: 10_000}
     plans = SubSocket[StepPlan](
@@ -102,31 +94,49 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     poller = zmq.Poller()
     poller.register(plans.socket, zmq.POLLIN)
     poller.register(lost, zmq.POLLIN)
-    while True:
-        ready = dict(poller.poll())
-        if lost in ready:
-            logger.info(
-                "worker rank %d: the scheduler at %s went away; exiting", rank, plans.endpoint
-            )
-            raise SystemExit(0)
-        plan = plans.recv_nowait()
-        if plan is None:
-            continue
-        start = clock.perf_counter()
-        if connector is not None:
-            connector.bind_connector_metadata(plan.kv_connector_metadata)
-            connector.start_load_kv()
-        result = worker.execute(plan)
-        end = clock.perf_counter()
-        forward_time.observe(end - start)
-        if (seen := worker.device_seconds()) is not None:
-            for state, total, last in zip(("busy", "idle"), seen, device_last, strict=True):
-                device[state].inc(total - last)
-            device_last = seen
-        if trace is not None:
-            trace.record(plan, start, end)
-        if results is not None:
-            results.send(result)
+    if connector is not None:
+        # Stopped by the launcher: the connector ends its work first (storage writes the
+        # blocks still queued for the disk, for a few seconds). Not in the handler itself:
+        # it may interrupt the connector holding a lock its shutdown needs.
+        signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        while True:
+            ready = dict(poller.poll())
+            if lost in ready:
+                logger.info(
+                    "worker rank %d: the scheduler at %s went away; exiting", rank, plans.endpoint
+                )
+                raise SystemExit(0)
+            plan = plans.recv_nowait()
+            if plan is None:
+                continue
+            start = clock.perf_counter()
+            if connector is not None:
+                connector.bind_connector_metadata(plan.kv_connector_metadata)
+                connector.start_load_kv()
+            result = worker.execute(plan)
+            end = clock.perf_counter()
+            forward_time.observe(end - start)
+            if (seen := worker.device_seconds()) is not None:
+                for state, total, last in zip(("busy", "idle"), seen, device_last, strict=True):
+                    device[state].inc(total - last)
+                device_last = seen
+            if trace is not None:
+                trace.record(plan, start, end)
+            if results is not None:
+                results.send(result)
+    except _Stop:
+        assert connector is not None
+        connector.shutdown()
+        os._exit(0)
+
+
+class _Stop(BaseException):
+    """SIGTERM in a worker whose KV connector has work to end."""
+
+
+def _raise_stop(*_: object) -> None:
+    raise _Stop
 
 
 def _kv_connector(

@@ -86,6 +86,10 @@ class KVConnectorScheduler(ABC):
     ) -> None:
         """The request's block table now covers the external tokens: plan their load."""
 
+    def drop_load(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """Another connector loads this request's prompt (``multi``): give up what this one
+        offered (p2p releases the prefill instance's hold)."""
+
     @abstractmethod
     def build_connector_meta(self) -> bytes:
         """This step's work for the worker halves (b"" when there is none)."""

@@ -5,7 +5,8 @@
 file store, or p2p with offload. A request loads from the connector that supplies most of
 its prompt, the first of those on a tie (vLLM takes the first that supplies any: a host
 tier listed before p2p would then load a few blocks and leave the prefill instance's KV
-unpulled); every connector sees every block-pool change (each saves what it
+unpulled), and the others that offered give it up (``drop_load``: p2p releases the
+prefill instance's hold); every connector sees every block-pool change (each saves what it
 keeps); a finished request's blocks are held while any connector holds them, and its
 ``kv_transfer_params`` are the first connector's that gives some. Worker halves bind
 their metadata in order, all before any starts a load, and report tagged with their
@@ -72,6 +73,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
             for c in child_configs(config)
         ]
         self._chosen: dict[str, int] = {}  # request -> the child that loads it
+        self._offered: dict[str, list[int]] = {}  # request -> the children that could
         self._holders: dict[str, set[int]] = {}  # finished request -> children holding it
 
     @classmethod
@@ -92,13 +94,16 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        best, best_i = (0, False), -1
+        best, best_i, offered = (0, False), -1, []
         for i, child in enumerate(self.children):
             found = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if found[0]:
+                offered.append(i)
             if found[0] > best[0]:
                 best, best_i = found, i
         if best_i >= 0:
             self._chosen[request.req_id] = best_i
+            self._offered[request.req_id] = offered
         return best
 
     def update_state_after_alloc(
@@ -106,9 +111,13 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     ) -> None:
         if (i := self._chosen.pop(request.req_id, None)) is not None:
             self.children[i].update_state_after_alloc(request, block_ids, num_external_tokens)
+            for other in self._offered.pop(request.req_id, []):
+                if other != i:
+                    self.children[other].drop_load(request)
 
     def build_connector_meta(self) -> bytes:
         self._chosen.clear()
+        self._offered.clear()
         metas = [child.build_connector_meta() for child in self.children]
         return _encoder.encode(metas) if any(metas) else b""
 

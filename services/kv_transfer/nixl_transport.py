@@ -15,10 +15,12 @@ on a CPU: its wheel bundles UCX, and the UCX backend needs no GPU.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import importlib
+import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,7 @@ from services.protocol import KVPullNixl
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
 _MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 
 
@@ -53,21 +56,24 @@ class NixlAgent:
 
     def __init__(self, name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         api = load_nixl()
-        self.name = name
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        # Unique per process: two instances given the same engine_id must still differ
+        # (NIXL refuses a remote agent named as the local one).
+        self.name = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         tensors = [t for kv in kv_caches for t in kv]
         if not all(t.is_contiguous() for t in tensors):
             raise ConfigError("transport nixl: the KV cache tensors must be contiguous")
         self.agent.register_memory(tensors)
+        self._tensors = tensors  # registered memory must outlive the agent's use of it
         first = tensors[0]
         self.mem_type = "VRAM" if first.is_cuda else "DRAM"
-        self.device = first.device.index or 0 if first.is_cuda else 0
+        self.device = (first.device.index or 0) if first.is_cuda else 0
         self.bases = [t.data_ptr() for t in tensors]
         self.block_bytes = [t.stride(0) * t.element_size() for t in tensors]
         self.metadata: bytes = self.agent.get_agent_metadata()
-        self._remotes: dict[str, str] = {}  # metadata digest -> the remote agent's name
-        # A NIXL agent is not thread-safe by default: one read at a time (the p2p load
-        # threads take turns; a read is short next to the side-channel exchange).
+        self._remotes: dict[str, str] = {}  # agent name -> the name NIXL gave it here
+        # A NIXL agent is not thread-safe by default: its calls take turns; reads in
+        # flight from several load threads progress together.
         self._lock = threading.Lock()
 
     def describe(self) -> KVPullNixl:
@@ -77,15 +83,11 @@ class NixlAgent:
         )
 
     def _remote(self, where: KVPullNixl) -> str:
-        digest = hashlib.sha256(where.metadata).hexdigest()
-        name = self._remotes.get(digest)
+        """The remote agent (lock held); its name is unique per process, so a restarted
+        prefill instance is a new agent."""
+        name = self._remotes.get(where.agent)
         if name is None:
-            # A prefill instance restarted under the same name brings new metadata.
-            for old_digest, old in list(self._remotes.items()):
-                if old == where.agent:
-                    self.agent.remove_remote_agent(old)
-                    del self._remotes[old_digest]
-            name = self._remotes[digest] = self.agent.add_remote_agent(where.metadata)
+            name = self._remotes[where.agent] = self.agent.add_remote_agent(where.metadata)
         return name
 
     def read(
@@ -97,25 +99,18 @@ class NixlAgent:
         cancelled: Callable[[], bool],
     ) -> int:
         """READ the remote blocks into the local ones, every layer's K and V; the bytes
-        moved. ``NixlError`` on a mismatch, a failed transfer, a timeout or a cancel before
-        it started. A started read is waited for (it writes into the local blocks: they
-        must not be handed back before it ends); past ``timeout_s`` its handle is
-        released, which makes NIXL abort it."""
+        moved. ``NixlError`` on a mismatch, a failed transfer, or a cancel before it
+        started.
+
+        A started read is waited for until NIXL says it is done or failed, past
+        ``timeout_s`` too (with a warning): it writes into the local blocks, and reads
+        from the prefill instance's held ones, so neither may be handed back before it
+        ends (releasing the handle does not stop an RMA read already posted). A peer
+        that is gone ends it with an error."""
         if len(where.bases) != len(self.bases) or where.block_bytes != self.block_bytes:
             raise NixlError("the two sides' KV caches differ in layers or block size")
         if cancelled():
             raise NixlError("aborted")
-        with self._lock:
-            return self._read(where, remote_block_ids, local_block_ids, timeout_s)
-
-    def _read(
-        self,
-        where: KVPullNixl,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        timeout_s: float,
-    ) -> int:
-        remote = self._remote(where)
         # One descriptor per run of blocks consecutive on both sides, per tensor.
         runs = _runs(local_block_ids, remote_block_ids)
         local_descs = [
@@ -128,24 +123,37 @@ class NixlAgent:
             for base, size in zip(where.bases, where.block_bytes, strict=True)
             for _, b, n in runs
         ]
-        handle = self.agent.initialize_xfer(
-            "READ",
-            self.agent.get_xfer_descs(local_descs, self.mem_type),
-            self.agent.get_xfer_descs(remote_descs, where.mem_type),
-            remote,
-        )
         try:
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
+            with self._lock:
+                handle = self.agent.initialize_xfer(
+                    "READ",
+                    self.agent.get_xfer_descs(local_descs, self.mem_type),
+                    self.agent.get_xfer_descs(remote_descs, where.mem_type),
+                    self._remote(where),
+                )
+                state = self.agent.transfer(handle)
+        except Exception as e:  # nothing was posted: the blocks are untouched
+            raise NixlError(f"{type(e).__name__}: {e}") from None
+        deadline = time.monotonic() + timeout_s
+        warned = False
+        try:
             while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise NixlError(f"the read did not complete in {timeout_s:g} s")
+                if not warned and time.monotonic() > deadline:
+                    logger.warning(
+                        "NIXL: a read from %s is still running after %g s; waiting for it to "
+                        "end (its blocks stay held)",
+                        where.agent,
+                        timeout_s,
+                    )
+                    warned = True
                 time.sleep(0.0002)
-                state = self.agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise NixlError("the read failed")
+                with self._lock:
+                    state = self.agent.check_xfer_state(handle)
         finally:
-            self.agent.release_xfer_handle(handle)
+            with self._lock, contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
+        if state == "ERR":
+            raise NixlError("the read failed")
         return sum(size * len(local_block_ids) for size in self.block_bytes)
 
 

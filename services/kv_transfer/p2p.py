@@ -273,6 +273,10 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._loading[request.req_id] = remote
         self._reported[request.req_id] = set()
 
+    def drop_load(self, request: Request) -> None:
+        if (remote := self._queued.pop(request.req_id, None)) is not None:
+            self._release(remote)
+
     def _release(self, remote: RemotePrefill) -> None:
         """Tell every prefill rank to free a hold this instance will not pull."""
         for rank in range(remote.tp_size):

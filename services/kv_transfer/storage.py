@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _SUFFIX = ".safetensors"
 _MAX_WRITING = 4096  # blocks queued for the disk; past that a save is dropped
+_SHUTDOWN_S = 3.0
 
 
 def store_dir(config: KVTransferConfig, engine: EngineConfig) -> Path:
@@ -130,7 +132,8 @@ class StorageConnectorWorker(BlockStoreWorker):
         self.dir = store_dir(config, engine) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
         for tmp in self.dir.glob("*.tmp*"):  # a process killed mid-write left it
-            tmp.unlink(missing_ok=True)
+            if not _alive(tmp.suffix.removeprefix(".tmp")):  # not another server's
+                tmp.unlink(missing_ok=True)
         self._lock = threading.Lock()
         self._writing: dict[str, torch.Tensor] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-storage-write")
@@ -192,6 +195,26 @@ class StorageConnectorWorker(BlockStoreWorker):
     def _load_and_report(self, load: BlockStoreLoad) -> None:
         self.report_loads([(load.req_id, self.load(load))])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = _SHUTDOWN_S) -> None:
+        """Finish the loads and, for up to ``timeout_s`` (the launcher kills a worker
+        that takes 5 s), the writes; blocks still queued then are not stored."""
         self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
+        self._writer.shutdown(wait=False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._writing:
+                    return
+            time.sleep(0.01)
+        with self._lock:
+            logger.warning("storage: %d blocks were not written in time", len(self._writing))
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
