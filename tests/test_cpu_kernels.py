@@ -13,7 +13,7 @@ import secrets
 import pytest
 import torch
 
-from kernels.cpu import load_cpu_ops, paged_attention_rows, small_linear
+from kernels.cpu import QUANT_TYPES, load_cpu_ops, paged_attention_rows, quant_linear, small_linear
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from tests.test_kernels import MIXED, TOLERANCE, make_batch, reference_attention
@@ -165,6 +165,41 @@ def test_small_linear_rejects_unsupported_shapes() -> None:
         small_linear(torch.randn(3, 32), torch.randn(8, 32))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         small_linear(torch.randn(1, 24), torch.randn(8, 24))
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 21])
+@pytest.mark.parametrize("n, k", [(200, 576), (576, 1536), (17, 32)])
+def test_quant_linear_matches_dequantize_then_matmul(qtype: str, rows: int, n: int, k: int) -> None:
+    """The quantized linear against an independent reference: gguf's own quantizer and
+    dequantizer (numpy), then a float64 matmul. Equal up to fp32 summation order."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    kind = GGMLQuantizationType[qtype]
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 2.0, (n, 1)).astype(
+        np.float32
+    )
+    blocks = np.ascontiguousarray(quants.quantize(w, kind))
+    dequantized = quants.dequantize(blocks, kind).astype(np.float64)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ dequantized.T
+    out = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), QUANT_TYPES[qtype])
+    err = float(np.linalg.norm(out.double().numpy() - ref) / np.linalg.norm(ref))
+    assert out.shape == (rows, n) and err < 1e-6, f"{qtype}: relative error {err:.2e} (seed {seed})"
+
+
+def test_quant_linear_rejects_bad_blocks() -> None:
+    blocks = torch.zeros(8, 20, dtype=torch.uint8)  # one Q4_1 block per row: K = 32
+    with pytest.raises(RuntimeError, match="Q8_0 rows are K / 32 \\* 34 bytes"):
+        torch.ops.actorserve_cpu.quant_linear(torch.empty(1, 8), torch.randn(1, 32), blocks, 8)
+    with pytest.raises(RuntimeError, match="not supported"):
+        quant_linear(torch.randn(1, 32), blocks, 14)  # Q6_K: not yet
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant_linear(torch.randn(1, 16), blocks, 3)
+    assert torch.equal(quant_linear(torch.randn(2, 32), blocks, 3), torch.zeros(2, 8))
 
 
 def test_model_linear_uses_streaming_op_for_one_token(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,8 @@
   place (the torch attention backend's decode rows; SDPA keeps the prefill rows, as in
   vLLM's CPU backend);
 - ``small_linear``: a weight-streaming linear for 1-2 tokens (batch-1/2 decode);
+- ``quant_linear``: a linear over GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks as the
+  file has them), dequantized in registers, fp32 accumulation (decode batches);
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_embedding_``: the
   per-layer elementwise ops in one pass each.
 
@@ -30,7 +32,9 @@ from services.logging_utils import init_logger
 logger = init_logger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp")]
+_SOURCES = [
+    _DIR / name for name in ("paged_attention.cpp", "gemv.cpp", "quant_gemv.cpp", "elementwise.cpp")
+]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
 
@@ -126,6 +130,19 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Requires ``load_cpu_ops()`` to have returned True."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     torch.ops.actorserve_cpu.small_linear(out, x, weight)
+    return out
+
+
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml type ids quant_linear reads
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``x @ W.T`` for fp32 ``x`` [M, K] (K a multiple of 32) and ``W`` [N, K] given as its
+    GGUF blocks: ``qweight`` uint8 [N, K / 32 * block bytes] of ggml type ``ggml_type``
+    (``QUANT_TYPES``). Equal to the dequantized weight's fp32 product up to summation
+    order. Requires ``load_cpu_ops()`` to have returned True."""
+    out = x.new_empty(x.shape[0], qweight.shape[0])
+    torch.ops.actorserve_cpu.quant_linear(out, x, qweight, ggml_type)
     return out
 
 
