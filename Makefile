@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo serve test test-slow lint bench gpu-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
