@@ -166,12 +166,28 @@ def _run(s: Scheduler, req: Request) -> bytes:
     return plan.kv_connector_metadata
 
 
+A = list(range(100, 117))  # 17 tokens: 4 full blocks of 4
+
+
+def _evict_a(connector) -> Scheduler:
+    """A scheduler over 5 usable blocks where prompt A ran, then a 20-token prompt took
+    every block: A's 4 cached blocks were evicted (to the connector's tier, if it keeps
+    them)."""
+    s = _scheduler(6, connector)
+    _run(s, _request("a", A))
+    _run(s, _request("b", list(range(200, 220))))
+    return s
+
+
+def _offload(slots: int) -> OffloadConnectorScheduler:
+    cfg = engine(kv_offload_bytes=slots * 2048)  # the tests' blocks are 2,048 bytes
+    return OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048)
+
+
 def test_scheduler_saves_evicted_blocks_and_loads_them_back():
-    cfg = engine(kv_offload_bytes=3 * 2048)
-    # 3 slots: the test's fake block bytes are 2,048
-    off = OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048)
+    off = _offload(3)
     s = _scheduler(6, off)  # 5 usable blocks of 4 tokens
-    a = list(range(100, 117))  # 17 tokens: 4 full blocks
+    a = A
     _run(s, _request("a", a))
     s.take_events()
     # 20 other tokens need all 5 blocks: a's 4 cached blocks are evicted to the host tier.
@@ -205,12 +221,9 @@ def test_scheduler_saves_evicted_blocks_and_loads_them_back():
 
 
 def test_a_failed_load_recomputes_and_forgets_the_blocks():
-    cfg = engine(kv_offload_bytes=8 * 2048)
-    off = OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048)
-    s = _scheduler(6, off)
-    a = list(range(100, 117))
-    _run(s, _request("a", a))
-    _run(s, _request("b", list(range(200, 220))))
+    off = _offload(8)
+    s = _evict_a(off)
+    a = A
     assert off.num_stored == 4
     again = _request("a2", a)
     s.add_request(again)
@@ -227,12 +240,9 @@ def test_a_failed_load_recomputes_and_forgets_the_blocks():
 
 
 def test_an_abort_while_loading_frees_the_blocks_once_the_load_ends():
-    cfg = engine(kv_offload_bytes=8 * 2048)
-    off = OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048)
-    s = _scheduler(6, off)
-    a = list(range(100, 117))
-    _run(s, _request("a", a))
-    _run(s, _request("b", list(range(200, 220))))
+    off = _offload(8)
+    s = _evict_a(off)
+    a = A
     s.add_request(_request("a2", a))
     plan = s.schedule()
     s.abort_requests(["a2"])
@@ -247,11 +257,8 @@ def test_loaded_requests_that_compute_the_rest_of_their_prompt_never_deadlock():
     """A load takes blocks for the whole prompt, not only the loaded part: two requests
     that load a shared first block and then compute 14 tokens each never wait, loaded,
     for blocks only the other's run would free."""
-    cfg = engine(kv_offload_bytes=8 * 2048)
-    s = _scheduler(6, OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048))
-    a = list(range(100, 117))
-    _run(s, _request("a", a))
-    _run(s, _request("b", list(range(200, 220))))  # a's blocks go to the host tier
+    s = _evict_a(_offload(8))  # a's blocks went to the host tier
+    a = A
     for name, first in (("c1", 300), ("c2", 400)):
         s.add_request(_request(name, a[:4] + list(range(first, first + 14))))
     finished: set[str] = set()
@@ -270,12 +277,9 @@ def test_loaded_requests_that_compute_the_rest_of_their_prompt_never_deadlock():
 def test_the_host_tier_evicts_a_prefix_from_its_tail():
     """LRU over chains: a lookup touches the blocks last first, so the tier later evicts
     the tail of a prefix, never its head (which would strand the rest)."""
-    cfg = engine(kv_offload_bytes=4 * 2048)
-    off = OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048)
-    s = _scheduler(6, off)
-    a = list(range(100, 117))
-    _run(s, _request("a", a))
-    _run(s, _request("b", list(range(200, 220))))
+    off = _offload(4)
+    s = _evict_a(off)
+    a = A
     again = _request("a2", a)
     s.add_request(again)
     assert off.get_num_new_matched_tokens(again, 0) == (16, True)
@@ -286,11 +290,8 @@ def test_the_host_tier_evicts_a_prefix_from_its_tail():
 
 
 def test_a_failed_load_counts_its_recompute_apart():
-    cfg = engine(kv_offload_bytes=8 * 2048)
-    s = _scheduler(6, OffloadConnectorScheduler(cfg.kv_transfer, cfg, kv_block_bytes=2048))
-    a = list(range(100, 117))
-    _run(s, _request("a", a))
-    _run(s, _request("b", list(range(200, 220))))
+    s = _evict_a(_offload(8))
+    a = A
     local = s.kv_cache_manager.block_pool.prefix_cache_stats
     queries = local.queries
     again = _request("a2", a)
@@ -317,10 +318,8 @@ def test_multi_loads_from_the_connector_that_supplies_most():
                            {"kv_connector": "p2p", "kv_port": 1}]}}))  # fmt: skip
     multi = MultiConnectorScheduler(cfg.kv_transfer, cfg, 2048)
     off, p2p = multi.children
-    s = _scheduler(6, multi)
-    a = list(range(100, 117))
-    _run(s, _request("a", a))
-    _run(s, _request("b", list(range(200, 220))))
+    s = _evict_a(multi)
+    a = A
     assert off.num_stored == 2
     params = {"do_remote_prefill": True, "remote_request_id": "pre-1",
               "remote_block_ids": [1, 2, 3, 4, 5], "remote_host": "127.0.0.1",
@@ -343,9 +342,7 @@ def test_multi_loads_from_the_connector_that_supplies_most():
     ] = 8 * 2048
     multi = MultiConnectorScheduler(cfg.kv_transfer, cfg, 2048)
     off, p2p = multi.children
-    s = _scheduler(6, multi)
-    _run(s, _request("a", a))
-    _run(s, _request("b", list(range(200, 220))))
+    s = _evict_a(multi)
     s.add_request(Request("d2", a, SamplingParams(max_tokens=3), kv_transfer_params=params))
     s.schedule()
     assert "d2" in off._loading and "d2" not in p2p._loading and "d2" not in p2p._queued

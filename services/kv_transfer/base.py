@@ -109,9 +109,11 @@ class KVConnectorScheduler(ABC):
         return False
 
     # The block pool's changes, for connectors that keep blocks beyond the pool (offload,
-    # storage). Called in ``schedule()`` / ``update_from_output``, so what they ask of the
-    # workers goes out in the same plan's metadata: workers run it before the forward
-    # that may overwrite the block.
+    # storage: ``keeps_blocks``). Called in ``schedule()`` / ``update_from_output``, so what
+    # they ask of the workers goes out in the same plan's metadata: workers run it before
+    # the forward that may overwrite the block.
+    keeps_blocks = False
+
     def on_block_cached(self, block_hash: BlockHash, block_id: int) -> None:  # noqa: B027
         """A full, computed block entered the prefix cache under ``block_hash``."""
 

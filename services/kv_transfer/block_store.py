@@ -58,6 +58,7 @@ class BlockStoreScheduler(KVConnectorScheduler):
     stored (``key_of``) and when a block goes in."""
 
     medium = "CPU"  # the tier's name in KV events (vLLM's ``medium``)
+    keeps_blocks = True
 
     def __init__(
         self, config: KVTransferConfig, engine: EngineConfig, kv_block_bytes: int = 0

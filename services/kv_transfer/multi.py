@@ -72,6 +72,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
             connector_class(c.kv_connector, 0)(c, engine, kv_block_bytes)
             for c in child_configs(config)
         ]
+        self.keeps_blocks = any(child.keeps_blocks for child in self.children)
         self._chosen: dict[str, int] = {}  # request -> the child that loads it
         self._offered: dict[str, list[int]] = {}  # request -> the children that could
         self._holders: dict[str, set[int]] = {}  # finished request -> children holding it

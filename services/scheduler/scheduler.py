@@ -109,7 +109,8 @@ class Scheduler:
             metrics=metrics,
         )
         if kv_connector is not None:
-            self.kv_cache_manager.block_pool.listener = kv_connector
+            if kv_connector.keeps_blocks:  # per-block calls only where someone listens
+                self.kv_cache_manager.block_pool.listener = kv_connector
             kv_connector.enable_events(enable_kv_cache_events)
         # Prompt tokens asked of the connector and supplied by it (vLLM's
         # vllm:external_prefix_cache_queries / _hits), once per admission.
