@@ -2,10 +2,10 @@
 
 One decode step's linears of the default model (SmolLM2-135M: 30 layers of q, k, v, o,
 gate, up, down, and the 49,152 x 576 LM head), each with its own random weights so that
-no weight stays in cache between uses, at 1, 2 and 8 tokens: fp32 weights through the
+no weight stays in cache between uses, at 1 to 64 tokens: fp32 weights through the
 model's ``linear`` (the streaming C++ op at 1-2 tokens, oneDNN from 4), and the same
-weights as GGUF Q8_0, Q4_0 and Q4_1 blocks (gguf's own quantizer) through
-``quant_linear``. Median of 7 after a warm-up.
+weights as GGUF Q8_0, Q4_0 and Q4_1 blocks (gguf's own quantizer), packed by
+``quant_pack``, through ``quant_linear``. Median of 7 after a warm-up.
 
     .venv/bin/python -m bench.quant_linear
 
@@ -40,12 +40,12 @@ def main() -> int:
     weights = []
     for n, k in SHAPES:
         w = rng.standard_normal((n, k)).astype(np.float32)
-        blocks = {t: torch.from_numpy(np.ascontiguousarray(
-            quants.quantize(w, GGMLQuantizationType[t]))) for t in TYPES}  # fmt: skip
+        blocks = {t: kc.quant_pack(torch.from_numpy(np.ascontiguousarray(
+            quants.quantize(w, GGMLQuantizationType[t]))), kc.QUANT_TYPES[t], k) for t in TYPES}  # fmt: skip
         weights.append((torch.from_numpy(w), blocks))
     rows = []
     with torch.inference_mode():
-        for m in (1, 2, 8):
+        for m in (1, 2, 4, 8, 16, 64):
             xs = {k: torch.randn(m, k) for k in (576, 1536)}
 
             def step(kind: str, m: int = m, xs: dict = xs) -> float:
@@ -55,7 +55,7 @@ def main() -> int:
                     if kind == "fp32":
                         linear(x, w)
                     else:
-                        kc.quant_linear(x, blocks[kind], kc.QUANT_TYPES[kind])
+                        kc.quant_linear(x, blocks[kind], kc.QUANT_TYPES[kind], w.shape[0])
                 return time.perf_counter() - start
 
             for kind in ("fp32", *TYPES):

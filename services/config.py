@@ -40,6 +40,7 @@ DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }  # fmt: skip
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+QUANTIZATIONS = ("auto", "gguf", "none")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -59,6 +60,16 @@ class ModelConfig:
     )
     load_format: str = field(
         default="auto", metadata=flag("dummy: random weights", choices=LOAD_FORMATS)
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=flag(
+            "gguf: a GGUF model's Q4_0/Q4_1/Q8_0 matrices stay quantized, read by the CPU "
+            "kernels with fp32 math (auto: so when the model is GGUF and runs fp32 on CPU); "
+            "none: every weight expanded to --dtype",
+            choices=QUANTIZATIONS,
+            aliases=("-q",),
+        ),
     )
     seed: int = field(default=0, metadata=flag("seed of the sampler's shared generator"))
 

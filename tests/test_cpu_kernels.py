@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import pytest
 import torch
 
-from kernels.cpu import QUANT_TYPES, load_cpu_ops, paged_attention_rows, quant_linear, small_linear
+from kernels.cpu import (
+    QUANT_TYPES,
+    load_cpu_ops,
+    paged_attention_rows,
+    quant_dequant_rows,
+    quant_linear,
+    quant_pack,
+    small_linear,
+)
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from tests.test_kernels import MIXED, TOLERANCE, make_batch, reference_attention
@@ -167,39 +176,65 @@ def test_small_linear_rejects_unsupported_shapes() -> None:
         small_linear(torch.randn(1, 24), torch.randn(8, 24))
 
 
+def _random_blocks(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF blocks of a random [n, k] matrix (rows of varied scale) by gguf's own quantizer,
+    and the matrix they stand for by gguf's own dequantizer."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    kind = GGMLQuantizationType[qtype]
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w *= rng.uniform(0.01, 2.0, (n, 1)).astype(np.float32)
+    blocks = np.ascontiguousarray(quants.quantize(w, kind))
+    return blocks, quants.dequantize(blocks, kind).reshape(n, k)
+
+
+# Rows of x: one register pass (1-8), several (9-31), the expand-then-multiply path (32+).
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 21])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 21, 40])
 @pytest.mark.parametrize("n, k", [(200, 576), (576, 1536), (17, 32)])
 def test_quant_linear_matches_dequantize_then_matmul(qtype: str, rows: int, n: int, k: int) -> None:
     """The quantized linear against an independent reference: gguf's own quantizer and
-    dequantizer (numpy), then a float64 matmul. Equal up to fp32 summation order."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, quants
-
+    dequantizer (numpy), then a float64 matmul. Equal up to fp32 rounding order."""
     seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    kind = GGMLQuantizationType[qtype]
-    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 2.0, (n, 1)).astype(
-        np.float32
-    )
-    blocks = np.ascontiguousarray(quants.quantize(w, kind))
-    dequantized = quants.dequantize(blocks, kind).astype(np.float64)
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    ref = x.astype(np.float64) @ dequantized.T
-    out = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), QUANT_TYPES[qtype])
+    blocks, dequantized = _random_blocks(qtype, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((rows, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ dequantized.astype(np.float64).T
+    packed = quant_pack(torch.from_numpy(blocks), QUANT_TYPES[qtype], k)
+    assert packed.numel() == -(-n // 16) * blocks.shape[1] * 16  # same bytes per row
+    out = quant_linear(torch.from_numpy(x), packed, QUANT_TYPES[qtype], n)
     err = float(np.linalg.norm(out.double().numpy() - ref) / np.linalg.norm(ref))
     assert out.shape == (rows, n) and err < 1e-6, f"{qtype}: relative error {err:.2e} (seed {seed})"
 
 
-def test_quant_linear_rejects_bad_blocks() -> None:
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+def test_quant_dequant_rows_equals_gguf_dequantizer(qtype: str) -> None:
+    """Embedding lookups from the packed layout are bit-equal to gguf's dequantized rows."""
+    seed = secrets.randbits(32)
+    n, k = 37, 96
+    blocks, dequantized = _random_blocks(qtype, n, k, seed)
+    packed = quant_pack(torch.from_numpy(blocks), QUANT_TYPES[qtype], k)
+    ids = torch.tensor([0, 5, 16, 17, 36, 5])
+    rows = quant_dequant_rows(packed, QUANT_TYPES[qtype], n, k, ids)
+    assert torch.equal(rows, torch.from_numpy(dequantized)[ids]), f"seed {seed}"
+    with pytest.raises(RuntimeError, match="out of"):
+        quant_dequant_rows(packed, QUANT_TYPES[qtype], n, k, torch.tensor([n]))
+
+
+def test_quant_ops_reject_bad_shapes() -> None:
     blocks = torch.zeros(8, 20, dtype=torch.uint8)  # one Q4_1 block per row: K = 32
-    with pytest.raises(RuntimeError, match="Q8_0 rows are K / 32 \\* 34 bytes"):
-        torch.ops.actorserve_cpu.quant_linear(torch.empty(1, 8), torch.randn(1, 32), blocks, 8)
+    with pytest.raises(RuntimeError, match="must be uint8 \\[rows, 34\\]"):
+        quant_pack(blocks, QUANT_TYPES["Q8_0"], 32)
     with pytest.raises(RuntimeError, match="not supported"):
-        quant_linear(torch.randn(1, 32), blocks, 14)  # Q6_K: not yet
+        quant_pack(blocks, 14, 32)  # Q6_K: not yet
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        quant_linear(torch.randn(1, 16), blocks, 3)
-    assert torch.equal(quant_linear(torch.randn(2, 32), blocks, 3), torch.zeros(2, 8))
+        quant_pack(blocks, 3, 16)
+    packed = quant_pack(blocks, 3, 32)
+    with pytest.raises(RuntimeError, match="must be \\[2, 320\\], got \\[1, 320\\]"):
+        quant_linear(torch.randn(1, 32), packed, 3, 17)  # 17 rows need two groups
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant_linear(torch.randn(1, 16), packed, 3, 8)
+    assert torch.equal(quant_linear(torch.randn(2, 32), packed, 3, 8), torch.zeros(2, 8))
 
 
 def test_model_linear_uses_streaming_op_for_one_token(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,8 +4,9 @@
   place (the torch attention backend's decode rows; SDPA keeps the prefill rows, as in
   vLLM's CPU backend);
 - ``small_linear``: a weight-streaming linear for 1-2 tokens (batch-1/2 decode);
-- ``quant_linear``: a linear over GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks as the
-  file has them), dequantized in registers, fp32 accumulation (decode batches);
+- ``quant_linear``: a linear over GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks,
+  interleaved 16 rows at a time by ``quant_pack``), dequantized in registers, fp32
+  accumulation; ``quant_dequant_rows`` expands single rows (embedding lookups);
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_embedding_``: the
   per-layer elementwise ops in one pass each.
 
@@ -133,17 +134,32 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml type ids quant_linear reads
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml type ids the quant ops read
 
 
-def quant_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """``x @ W.T`` for fp32 ``x`` [M, K] (K a multiple of 32) and ``W`` [N, K] given as its
-    GGUF blocks: ``qweight`` uint8 [N, K / 32 * block bytes] of ggml type ``ggml_type``
-    (``QUANT_TYPES``). Equal to the dequantized weight's fp32 product up to summation
-    order. Requires ``load_cpu_ops()`` to have returned True."""
-    out = x.new_empty(x.shape[0], qweight.shape[0])
-    torch.ops.actorserve_cpu.quant_linear(out, x, qweight, ggml_type)
+def quant_pack(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """A weight ``W`` [N, K] given as its GGUF blocks (uint8 [N, K / 32 * block bytes] of
+    ggml type ``ggml_type``, ``QUANT_TYPES``) in the layout ``quant_linear`` reads: the
+    blocks of 16 rows interleaved, same bits, same size (+ zero rows up to a multiple of
+    16). Requires ``load_cpu_ops()`` to have returned True."""
+    return torch.ops.actorserve_cpu.quant_pack(blocks, ggml_type, k)  # type: ignore[no-any-return]
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, ggml_type: int, n: int) -> torch.Tensor:
+    """``x @ W.T`` for fp32 ``x`` [M, K] and ``W`` [n, K] packed by ``quant_pack``: equal
+    to the dequantized weight's fp32 product up to rounding order. Requires
+    ``load_cpu_ops()`` to have returned True."""
+    out = x.new_empty(x.shape[0], n)
+    torch.ops.actorserve_cpu.quant_linear(out, x, packed, ggml_type, n)
     return out
+
+
+def quant_dequant_rows(
+    packed: torch.Tensor, ggml_type: int, n: int, k: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``ids`` (int64) of ``W`` [n, k] packed by ``quant_pack``, dequantized to fp32
+    [len(ids), k] (embedding lookups). Requires ``load_cpu_ops()`` to have returned True."""
+    return torch.ops.actorserve_cpu.quant_dequant_rows(packed, ggml_type, n, k, ids)  # type: ignore[no-any-return]
 
 
 def rms_norm(

@@ -1,18 +1,24 @@
 // Linear layers over GGUF-quantized weights, dequantized in registers: y = x W^T.
 //
-// W stays as the GGUF file has it: each row of N is K / 32 blocks of one ggml type
-// (Q8_0: an fp16 scale d and 32 int8, w = d q; Q4_0: d and 32 4-bit q, w = d (q - 8);
-// Q4_1: d, an fp16 minimum m and 32 4-bit q, w = d q + m; element j of a Q4 block is the
-// low nibble of byte j, element j + 16 the high one). A block is expanded into two
-// 16-float vectors and multiplied into fp32 accumulators, so the result is the
-// dequantized weight's fp32 product up to summation order, while the weight is read at
-// 4.5 to 8.5 bits per value: a decode step, bound by reading the weights, reads 4-7x
-// fewer bytes than with fp32 weights.
+// GGUF stores W [N, K] row by row, each row K / 32 blocks of one ggml type (Q8_0: an fp16
+// scale d and 32 int8, w = d q; Q4_0: d and 32 4-bit q, w = d (q - 8); Q4_1: d, an fp16
+// minimum m and 32 4-bit q, w = d q + m; element j of a Q4 block is the low nibble of
+// byte j, element j + 16 the high one). ``quant_pack`` interleaves the blocks of 16
+// consecutive rows, the same bits in the same number of bytes (llama.cpp's CPU backend
+// repacks Q4_0 the same way): for each group of 16 rows and each block column, the 16
+// rows' d (32 bytes), their m (Q4_1, 32 bytes), then the quants with the rows innermost
+// (Q4: 16 x 16 bytes, byte j of every row; Q8_0: 32 x 16 bytes). One byte load then
+// widens to the same element of 16 rows, 16 output rows live in the lanes of one vector,
+// and a task reads one contiguous run of memory.
 //
-// Like small_linear, 16 / M weight rows are done at once (M x 16 / M accumulators, one
-// sum16 at the end). Rows of x beyond 16 are done 16 at a time; each pass dequantizes
-// the weight again, so this is a kernel for decode batches, not for long prefills.
-// Still compute-bound (the dequantization), not bandwidth-bound: bench/quant_linear.py.
+// Per block x . w = d (x . q) + m sum(x) (Q4_0: d (x . q - 8 sum(x))): the quants are
+// converted to floats and multiplied into fp32 accumulators with x broadcast, the scales
+// applied once per block. The result equals the dequantized weight's fp32 product up to
+// rounding order, at 4.5 to 8.5 bits of weight read per value.
+//
+// Decode batches are done against the quants directly, kMaxRegRows rows of x per pass over
+// a group; from kScratchRows rows on (prefill) each task first expands its group into an
+// fp32 scratch [K][16] (L1/L2-sized), then multiplies every row of x into it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +26,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -28,8 +35,21 @@
 
 namespace {
 
-constexpr int QK = 32;
+constexpr int QK = 32;  // weights per block
+constexpr int G = W;    // rows per interleaved group (one vector lane each)
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+// Rows of x per pass against the quants (their accumulators fill the vector registers),
+// and from how many rows on a group is expanded to fp32 first (bench/quant_linear.py).
+#if defined(__AVX512F__)
+constexpr int kMaxRegRows = 8;  // 32 vector registers
+constexpr int kTileRows = 8;
+constexpr int64_t kScratchRows = 32;
+#else
+constexpr int kMaxRegRows = 2;  // 16 registers, each vf two of them
+constexpr int kTileRows = 4;
+constexpr int64_t kScratchRows = 3;
+#endif
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -39,6 +59,23 @@ inline float half_at(const uint8_t* p) {
 #else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
+}
+
+// 16 fp16 values to floats.
+inline vf halves(const uint8_t* p) {
+  vf r;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&r, &v, sizeof(r));
+#elif defined(__F16C__)
+  const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  std::memcpy(&r, &a, sizeof(a));
+  std::memcpy(reinterpret_cast<char*>(&r) + sizeof(a), &b, sizeof(b));
+#else
+  for (int j = 0; j < W; ++j) r[j] = half_at(p + 2 * j);
+#endif
+  return r;
 }
 
 // 16 bytes to 16 int32 lanes, zero- or sign-extended. GCC scalarizes a vector-extension
@@ -65,110 +102,282 @@ inline vi widen(const uint8_t* p) {
 }
 
 template <int64_t T>
-constexpr int64_t block_bytes() {
+constexpr int64_t block_bytes() {  // GGUF bytes per block of one row
   return T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : 20;
 }
-
-// The 32 weights of one block: elements 0-15 in lo, 16-31 in hi.
 template <int64_t T>
-inline void dequant(const uint8_t* b, vf& lo, vf& hi) {
-  const float d = half_at(b);
+constexpr int64_t quants_at() {  // offset of the quants in an interleaved group block
+  return T == kQ4_1 ? 4 * G : 2 * G;
+}
+
+// Quants of element pair j (Q4: elements j and j + 16; Q8_0: element j) of 16 rows.
+template <int64_t T>
+inline void quants(const uint8_t* gb, int j, vf& lo, vf& hi) {
   if constexpr (T == kQ8_0) {
-    lo = __builtin_convertvector(widen<true>(b + 2), vf) * d;
-    hi = __builtin_convertvector(widen<true>(b + 18), vf) * d;
+    lo = __builtin_convertvector(widen<true>(gb + quants_at<T>() + j * G), vf);
+    hi = __builtin_convertvector(widen<true>(gb + quants_at<T>() + (j + 16) * G), vf);
   } else {
-    // x86 has no byte shifts: widen to int32 lanes, then split the nibbles
-    const vi qi = widen<false>(b + (T == kQ4_1 ? 4 : 2));
-    lo = __builtin_convertvector(qi & 15, vf);
-    hi = __builtin_convertvector(qi >> 4, vf);
-    if constexpr (T == kQ4_0) {
-      lo = (lo - 8.f) * d;
-      hi = (hi - 8.f) * d;
-    } else {
-      const float m = half_at(b + 2);
-      lo = lo * d + m;
-      hi = hi * d + m;
+    const vi q = widen<false>(gb + quants_at<T>() + j * G);  // x86 has no byte shifts
+    lo = __builtin_convertvector(q & 15, vf);
+    hi = __builtin_convertvector(q >> 4, vf);
+  }
+}
+
+// out[m][r0 + r] for M rows of x (row stride k) and one group of 16 weight rows, `rows`
+// of them real. xsum[m * nb + b]: sum of x row m over block b.
+template <int64_t T, int M>
+void group_rows(float* out, int64_t out_stride, const float* x, const float* xsum, const uint8_t* g,
+                int64_t k, int rows) {
+  constexpr int NC = M >= 4 ? 2 : 8 / M;  // independent FMA chains per row of x
+  constexpr int64_t GB = G * block_bytes<T>();
+  const int64_t nb = k / QK;
+  vf acc[M];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m] = vf{};
+  for (int64_t b = 0; b < nb; ++b, g += GB) {
+    const float* xb = x + b * QK;
+    vf s[M][NC];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) s[m][c] = vf{};
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      vf lo, hi;
+      quants<T>(g, j, lo, hi);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        s[m][(2 * j) % NC] += lo * xb[m * k + j];
+        s[m][(2 * j + 1) % NC] += hi * xb[m * k + j + 16];
+      }
+    }
+    const vf d = halves(g);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      vf t = s[m][0];
+#pragma GCC unroll 8
+      for (int c = 1; c < NC; ++c) t += s[m][c];
+      const float xs = xsum[m * nb + b];
+      if constexpr (T == kQ8_0) {
+        acc[m] += t * d;
+      } else if constexpr (T == kQ4_0) {
+        acc[m] += (t - 8.f * xs) * d;
+      } else {
+        acc[m] += t * d + halves(g + 2 * G) * xs;
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) std::memcpy(out + m * out_stride, &acc[m], rows * sizeof(float));
+}
+
+// The group's 16 rows as fp32, k-major: scratch[c * 16 + r] = W[r0 + r][c].
+template <int64_t T>
+void expand_group(float* scratch, const uint8_t* g, int64_t k) {
+  constexpr int64_t GB = G * block_bytes<T>();
+  for (int64_t b = 0; b < k / QK; ++b, g += GB) {
+    const vf d = halves(g);
+    vf add = vf{};
+    if constexpr (T == kQ4_1) add = halves(g + 2 * G);
+    if constexpr (T == kQ4_0) add = d * -8.f;
+    float* s = scratch + b * QK * G;
+    for (int j = 0; j < 16; ++j) {
+      vf lo, hi;
+      quants<T>(g, j, lo, hi);
+      lo = lo * d + add;
+      hi = hi * d + add;
+      std::memcpy(s + j * G, &lo, sizeof(vf));
+      std::memcpy(s + (j + 16) * G, &hi, sizeof(vf));
     }
   }
 }
 
-template <int64_t T, int M>
-void quant_rows(float* out, int64_t out_stride, const float* x, const uint8_t* w, int64_t n, int64_t k) {
-  constexpr int R = W / M;  // weight rows per task
-  constexpr int64_t B = block_bytes<T>();
-  const int64_t row_bytes = k / QK * B;
-  const int64_t num_tasks = (n + R - 1) / R;
-  at::parallel_for(0, num_tasks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t * R;
-      const int rows = static_cast<int>(std::min<int64_t>(R, n - r0));
-      vf acc[W] = {};
-      for (int64_t c = 0; c < k; c += QK) {
-        vf xlo[M], xhi[M];
-        for (int m = 0; m < M; ++m) {
-          std::memcpy(&xlo[m], x + m * k + c, sizeof(vf));
-          std::memcpy(&xhi[m], x + m * k + c + W, sizeof(vf));
-        }
-        for (int r = 0; r < R; ++r) {
-          if (r < rows) {
-            vf lo, hi;
-            dequant<T>(w + (r0 + r) * row_bytes + c / QK * B, lo, hi);
-            for (int m = 0; m < M; ++m) acc[m * R + r] += xlo[m] * lo + xhi[m] * hi;
-          }
-        }
-      }
-      vf sums = sum16(acc);  // lane m * R + r = out[m][r0 + r]
-      for (int m = 0; m < M; ++m)
-        for (int r = 0; r < rows; ++r) out[m * out_stride + r0 + r] = sums[m * R + r];
-    }
-  });
+// out[m][r0 + r] for M rows of x against an expanded group.
+template <int M>
+inline void tile_rows(float* out, int64_t out_stride, const float* x, const float* scratch, int64_t k,
+                      int rows) {
+  vf acc[M];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m] = vf{};
+  for (int64_t c = 0; c < k; ++c) {
+    vf wv;
+    std::memcpy(&wv, scratch + c * G, sizeof(vf));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m] += wv * x[m * k + c];
+  }
+  for (int m = 0; m < M; ++m) std::memcpy(out + m * out_stride, &acc[m], rows * sizeof(float));
+}
+
+template <int64_t T>
+void group_rows_any(float* out, int64_t out_stride, const float* x, const float* xsum, const uint8_t* g,
+                    int64_t k, int rows, int64_t m) {
+  switch (m) {
+    case 1: return group_rows<T, 1>(out, out_stride, x, xsum, g, k, rows);
+    case 2: return group_rows<T, 2>(out, out_stride, x, xsum, g, k, rows);
+#if defined(__AVX512F__)
+    case 3: return group_rows<T, 3>(out, out_stride, x, xsum, g, k, rows);
+    case 4: return group_rows<T, 4>(out, out_stride, x, xsum, g, k, rows);
+    case 5: return group_rows<T, 5>(out, out_stride, x, xsum, g, k, rows);
+    case 6: return group_rows<T, 6>(out, out_stride, x, xsum, g, k, rows);
+    case 7: return group_rows<T, 7>(out, out_stride, x, xsum, g, k, rows);
+    case 8: return group_rows<T, 8>(out, out_stride, x, xsum, g, k, rows);
+#endif
+    default: TORCH_CHECK(false, "unreachable");
+  }
 }
 
 template <int64_t T>
 void quant_linear_type(float* out, const float* x, const uint8_t* w, int64_t m, int64_t n, int64_t k) {
-  int64_t i = 0;
-  for (; i + 16 <= m; i += 16) quant_rows<T, 16>(out + i * n, n, x + i * k, w, n, k);
-  for (int rest = 8; rest >= 1; rest /= 2) {
-    if (m - i >= rest) {
-      switch (rest) {
-        case 8: quant_rows<T, 8>(out + i * n, n, x + i * k, w, n, k); break;
-        case 4: quant_rows<T, 4>(out + i * n, n, x + i * k, w, n, k); break;
-        case 2: quant_rows<T, 2>(out + i * n, n, x + i * k, w, n, k); break;
-        default: quant_rows<T, 1>(out + i * n, n, x + i * k, w, n, k); break;
+  constexpr int64_t GB = G * block_bytes<T>();
+  const int64_t nb = k / QK, groups = (n + G - 1) / G, group_bytes = nb * GB;
+  if (m >= kScratchRows) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(k * G);
+      for (int64_t gi = begin; gi < end; ++gi) {
+        const int rows = static_cast<int>(std::min<int64_t>(G, n - gi * G));
+        expand_group<T>(scratch.data(), w + gi * group_bytes, k);
+        float* o = out + gi * G;
+        int64_t i = 0;
+        for (; i + kTileRows <= m; i += kTileRows) tile_rows<kTileRows>(o + i * n, n, x + i * k, scratch.data(), k, rows);
+        for (; i + 2 <= m; i += 2) tile_rows<2>(o + i * n, n, x + i * k, scratch.data(), k, rows);
+        if (i < m) tile_rows<1>(o + i * n, n, x + i * k, scratch.data(), k, rows);
       }
-      i += rest;
+    });
+    return;
+  }
+  std::vector<float> xsum(m * nb);
+  for (int64_t i = 0; i < m * nb; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < QK; ++j) s += x[i * QK + j];
+    xsum[i] = s;
+  }
+  // Rows of x in passes of kMaxRegRows, each pass over the same group (still in L1).
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const int rows = static_cast<int>(std::min<int64_t>(G, n - gi * G));
+      for (int64_t i = 0; i < m; i += kMaxRegRows)
+        group_rows_any<T>(out + i * n + gi * G, n, x + i * k, xsum.data() + i * nb, w + gi * group_bytes, k,
+                          rows, std::min<int64_t>(kMaxRegRows, m - i));
     }
+  });
+}
+
+int64_t checked_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ8_0: return block_bytes<kQ8_0>();
+    case kQ4_0: return block_bytes<kQ4_0>();
+    case kQ4_1: return block_bytes<kQ4_1>();
+    default: TORCH_CHECK(false, "ggml type ", type, " is not supported here (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
   }
 }
 
-void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight, int64_t type) {
+// Shape checks shared by the ops: packed is [ceil(n / 16), k / 32 * 16 * block bytes].
+void check_packed(const at::Tensor& packed, int64_t type, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed weight: contiguous uint8 [groups, bytes] from quant_pack");
+  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of 32, got ", k);
+  TORCH_CHECK(n > 0 && packed.size(0) == (n + G - 1) / G && packed.size(1) == k / QK * G * checked_block_bytes(type),
+              "packed weight of ", n, " x ", k, " in type ", type, " must be [", (n + G - 1) / G, ", ",
+              k / QK * G * checked_block_bytes(type), "], got ", packed.sizes());
+}
+
+void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear: fp32 x and out");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte, "quant_linear: the weight is GGUF blocks (uint8)");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && qweight.is_contiguous(), "contiguous tensors only");
-  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
-  TORCH_CHECK(k % QK == 0, "K must be a multiple of 32");
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "shape mismatch");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "quant_linear: contiguous 2-D x and out");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_packed(packed, type, n, k);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_linear: out must be [", m, ", ", n, "]");
+  if (m == 0) return;
   const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   switch (type) {
-    case kQ8_0:
-      TORCH_CHECK(qweight.size(1) == k / QK * 34, "Q8_0 rows are K / 32 * 34 bytes");
-      return quant_linear_type<kQ8_0>(o, xp, wp, m, n, k);
-    case kQ4_0:
-      TORCH_CHECK(qweight.size(1) == k / QK * 18, "Q4_0 rows are K / 32 * 18 bytes");
-      return quant_linear_type<kQ4_0>(o, xp, wp, m, n, k);
-    case kQ4_1:
-      TORCH_CHECK(qweight.size(1) == k / QK * 20, "Q4_1 rows are K / 32 * 20 bytes");
-      return quant_linear_type<kQ4_1>(o, xp, wp, m, n, k);
-    default: TORCH_CHECK(false, "quant_linear: ggml type ", type, " is not supported (Q4_0, Q4_1, Q8_0)");
+    case kQ8_0: return quant_linear_type<kQ8_0>(o, xp, wp, m, n, k);
+    case kQ4_0: return quant_linear_type<kQ4_0>(o, xp, wp, m, n, k);
+    case kQ4_1: return quant_linear_type<kQ4_1>(o, xp, wp, m, n, k);
   }
+}
+
+// GGUF rows [n, k / 32 * block bytes] -> interleaved groups (the last group zero-padded).
+at::Tensor quant_pack(const at::Tensor& blocks, int64_t type, int64_t k) {
+  const int64_t bb = checked_block_bytes(type);
+  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of 32, got ", k);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == k / QK * bb,
+              "GGUF blocks of K = ", k, " must be uint8 [rows, ", k / QK * bb, "], got ", blocks.sizes());
+  const at::Tensor src = blocks.contiguous();
+  const int64_t n = src.size(0), nb = k / QK, groups = (n + G - 1) / G;
+  at::Tensor packed = at::zeros({groups, nb * G * bb}, src.options());
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* p = packed.data_ptr<uint8_t>();
+  const int64_t scales = type == kQ4_1 ? 2 : 1, qbytes = bb - 2 * scales;
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* gb = p + (gi * nb + b) * G * bb;
+        for (int r = 0; r < G && gi * G + r < n; ++r) {
+          const uint8_t* blk = s + (gi * G + r) * nb * bb + b * bb;
+          for (int64_t f = 0; f < scales; ++f) std::memcpy(gb + f * 2 * G + 2 * r, blk + 2 * f, 2);
+          for (int64_t j = 0; j < qbytes; ++j) gb[2 * scales * G + j * G + r] = blk[2 * scales + j];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// Rows `ids` of the packed weight as fp32 [len(ids), k] (embedding lookups).
+template <int64_t T>
+void dequant_rows_type(float* out, const uint8_t* w, const int64_t* ids, int64_t count, int64_t k) {
+  constexpr int64_t GB = G * block_bytes<T>();
+  const int64_t nb = k / QK;
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = ids[i] % G;
+      const uint8_t* g = w + ids[i] / G * nb * GB;
+      float* o = out + i * k;
+      for (int64_t b = 0; b < nb; ++b, g += GB, o += QK) {
+        const float d = half_at(g + 2 * r);
+        const uint8_t* q = g + quants_at<T>() + r;
+        if constexpr (T == kQ8_0) {
+          for (int j = 0; j < QK; ++j) o[j] = d * static_cast<int8_t>(q[j * G]);
+        } else {
+          const float add = T == kQ4_1 ? half_at(g + 2 * G + 2 * r) : -8.f * d;
+          for (int j = 0; j < 16; ++j) {
+            o[j] = (q[j * G] & 15) * d + add;
+            o[j + 16] = (q[j * G] >> 4) * d + add;
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor quant_dequant_rows(const at::Tensor& packed, int64_t type, int64_t n, int64_t k, const at::Tensor& ids) {
+  check_packed(packed, type, n, k);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids: int64 [count]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idc.size(0); ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "row id ", ip[i], " out of [0, ", n, ")");
+  at::Tensor out = at::empty({idc.size(0), k}, packed.options().dtype(at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  switch (type) {
+    case kQ8_0: dequant_rows_type<kQ8_0>(o, wp, ip, idc.size(0), k); break;
+    case kQ4_0: dequant_rows_type<kQ4_0>(o, wp, ip, idc.size(0), k); break;
+    case kQ4_1: dequant_rows_type<kQ4_1>(o, wp, ip, idc.size(0), k); break;
+  }
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(actorserve_cpu, m) {
-  m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int type) -> ()");
+  m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor packed, int type, int n) -> ()");
+  m.def("quant_pack(Tensor blocks, int type, int k) -> Tensor");
+  m.def("quant_dequant_rows(Tensor packed, int type, int n, int k, Tensor ids) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(actorserve_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(actorserve_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_dequant_rows", &quant_dequant_rows);
+}

@@ -20,9 +20,10 @@ from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attent
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState, StageLink
 from services.gpu_worker.input_batch import CachedRequestState, InputBatch
-from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.gpu_worker.model.llama import CheckpointTensor, LlamaForCausalLM
 from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
-from services.model_loader import dummy_weights, iter_weights, load_hf_config
+from services.model_loader import ModelLoadError, dummy_weights, iter_weights, load_hf_config
+from services.model_loader.gguf_convert import gguf_source, iter_gguf_weights
 from services.protocol import KVLayout, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 
 # Prompt logprobs score this many positions at a time: [rows, vocab] fp32 logits stay small.
@@ -71,7 +72,7 @@ class ModelRunner(WorkerBackend):
         parallel: ParallelState = SINGLE_RANK,
         *,
         arch: ModelArchConfig | None = None,
-        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        weights: Iterable[tuple[str, CheckpointTensor]] | None = None,
     ) -> None:
         self.config = config
         self.device = resolve_device(config.worker.device)
@@ -100,7 +101,7 @@ class ModelRunner(WorkerBackend):
             elif folder is None:
                 raise ValueError("ModelRunner needs a model folder or weights")
             else:
-                weights = iter_weights(folder, self.dtype)
+                weights = self._checkpoint(folder, config.model.quantization)
         self.arch = arch
         self.parallel = parallel
         self.num_kv_heads = HeadShard.of(arch, parallel).num_kv_heads  # this rank's
@@ -132,6 +133,32 @@ class ModelRunner(WorkerBackend):
         )
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model.seed))
         self.kv_caches: list[KVCache] = []
+
+    def _checkpoint(
+        self, folder: Path, quantization: str
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """The folder's weights; a GGUF model's quantized matrices as their blocks when
+        ``--quantization`` (auto or gguf) lets the CPU kernels read them."""
+        source = gguf_source(folder)
+        if quantization == "gguf" and source is None:
+            raise ModelLoadError(
+                f"--quantization gguf needs a GGUF model; {folder} was not converted from one"
+            )
+        if quantization == "none" or source is None:
+            return iter_weights(folder, self.dtype)
+        usable = self.device.type == "cpu" and self.dtype == torch.float32
+        if usable:
+            from kernels.cpu import QUANT_TYPES, load_cpu_ops
+
+            usable = load_cpu_ops()
+        if not usable:
+            if quantization == "gguf":
+                raise ModelLoadError(
+                    "--quantization gguf runs on the CPU kernels with --dtype float32 "
+                    f"(device {self.device.type}, dtype {self.dtype}); use --quantization none"
+                )
+            return iter_weights(folder, self.dtype)
+        return iter_gguf_weights(source, load_hf_config(folder), self.dtype, QUANT_TYPES.values())
 
     # ------------------------------------------------------------------ KV cache
 

@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from services.model_loader.errors import ModelLoadError
 from services.model_loader.gguf_tensors import (
     IGNORED_TENSORS,
+    GGUFBlocks,
     dequantize_tensor,
     hf_tensor_name,
     to_torch,
@@ -185,6 +186,16 @@ def iter_hf_tensors(
     reader: GGUFReader, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, dense tensor) for every model tensor in the file."""
+    for name, tensor in _hf_tensors(reader, config, ()):
+        assert isinstance(tensor, torch.Tensor)
+        yield name, tensor
+
+
+def _hf_tensors(
+    reader: GGUFReader, config: dict[str, Any], keep: Collection[int]
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """(HF name, tensor) for every model tensor in the file: dense, except matrices whose
+    ggml type is in ``keep``, which come as their blocks (``GGUFBlocks``)."""
     permute = config["model_type"] == "llama"
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t in reader.tensors:
@@ -193,12 +204,43 @@ def iter_hf_tensors(
         name = hf_tensor_name(t.name)
         if name is None:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
-        array = dequantize_tensor(t)
+        qtype = GGMLQuantizationType(t.tensor_type)
+        n_head = 0  # Llama's q/k rows are stored in llama.cpp's rotary order
         if permute and ".attn_q." in t.name:
-            array = unpermute_rotary(array, heads)
+            n_head = heads
         elif permute and ".attn_k." in t.name:
-            array = unpermute_rotary(array, kv_heads)
-        yield name, to_torch(array, GGMLQuantizationType(t.tensor_type))
+            n_head = kv_heads
+        if qtype in keep and len(t.shape) == 2:
+            rows = np.asarray(t.data)
+            if n_head:
+                rows = unpermute_rotary(rows, n_head)  # whole rows move: blocks stay intact
+            shape = (int(t.shape[1]), int(t.shape[0]))
+            data = torch.from_numpy(np.array(rows))  # a writable copy of the mapped file
+            yield name, GGUFBlocks(data, int(qtype), shape)
+            continue
+        array = dequantize_tensor(t)
+        if n_head:
+            array = unpermute_rotary(array, n_head)
+        yield name, to_torch(array, qtype)
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a converted folder was made from, when it is still there."""
+    try:
+        path = Path(json.loads((Path(folder) / "source.json").read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None
+
+
+def iter_gguf_weights(
+    gguf_path: Path, config: dict[str, Any], dtype: torch.dtype, keep: Collection[int]
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """The model's weights read from the GGUF file itself: matrices of the ggml types in
+    ``keep`` as their blocks, everything else dense in ``dtype``."""
+    reader = open_gguf(gguf_path)
+    for name, tensor in _hf_tensors(reader, config, keep):
+        yield name, tensor if isinstance(tensor, GGUFBlocks) else tensor.to(dtype)
 
 
 def _progress(

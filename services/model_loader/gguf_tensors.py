@@ -9,10 +9,11 @@ blocks are expanded to floats, and Llama's q/k rows are put back in HF's rotary 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
 from services.model_loader.errors import ModelLoadError
@@ -101,3 +102,42 @@ def to_torch(array: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
             torch.bfloat16
         )
     return torch.from_numpy(np.array(array))
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A quantized matrix as GGUF stores it, for kernels that read it without expanding it.
+
+    ``data``: uint8 [rows, row bytes], each row ``cols / block_size`` blocks of ``ggml_type``;
+    ``shape``: the matrix's (rows, cols) in HF layout. Loaders that cannot use it call
+    ``dequantize()``.
+    """
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    @property
+    def block_size(self) -> int:
+        return int(GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)][0])
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks | None:
+        """Rows or columns ``[start, start + length)``; None when columns cut a block."""
+        rows, cols = self.shape
+        if dim == 0:
+            return GGUFBlocks(self.data.narrow(0, start, length), self.ggml_type, (length, cols))
+        bs = self.block_size
+        if start % bs or length % bs:
+            return None
+        per_block = self.data.shape[1] // (cols // bs)
+        data = self.data.narrow(1, start // bs * per_block, length // bs * per_block)
+        return GGUFBlocks(data, self.ggml_type, (rows, length))
+
+    def dequantize(self) -> torch.Tensor:
+        """The matrix as fp32 [rows, cols]."""
+        array = dequantize(self.data.contiguous().numpy(), GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(array.reshape(self.shape), dtype=np.float32))

@@ -10,6 +10,7 @@ bench/RESULTS.md, "Forward pass").
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.distributed import ParallelState
+from services.model_loader.gguf_tensors import GGUFBlocks
 
 # oneDNN's fp32 inner-product kernel (what torch.compile emits for CPU linears), on a
 # weight reordered once into its blocked layout, beats MKL's sgemm behind F.linear
@@ -90,19 +92,79 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+@dataclass(frozen=True)
+class QuantWeight:
+    """A matrix [n, k] kept quantized: GGUF blocks of ``ggml_type`` packed by
+    ``kernels.cpu.quant_pack`` (1/4 to 1/7 of the fp32 bytes)."""
+
+    packed: torch.Tensor
+    ggml_type: int
+    n: int
+    k: int
+
+    @classmethod
+    def pack(cls, blocks: GGUFBlocks) -> QuantWeight | None:
+        """``blocks`` packed for the CPU kernels; None when they cannot read them (a type
+        they lack, a width not a multiple of 32, no C++ ops)."""
+        n, k = blocks.shape
+        if (
+            blocks.ggml_type not in _QUANT_TYPE_IDS
+            or k % 32
+            or n == 0
+            or _cpu_op("quant_pack") is None
+        ):
+            return None
+        packed = _cpu_op("quant_pack")(blocks.data, blocks.ggml_type, k)
+        return cls(packed, blocks.ggml_type, n, k)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for fp32 x [..., k]."""
+        flat = x.reshape(-1, self.k).contiguous()
+        out = _cpu_op("quant_linear")(flat, self.packed, self.ggml_type, self.n)
+        if bias is not None:
+            out.add_(bias)
+        return out.view(*x.shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W as fp32 [*ids.shape, k] (an embedding lookup)."""
+        flat = _cpu_op("quant_dequant_rows")(
+            self.packed, self.ggml_type, self.n, self.k, ids.reshape(-1).long()
+        )
+        return flat.view(*ids.shape, self.k)
+
+
+_QUANT_TYPE_IDS = frozenset({2, 3, 8})  # kernels.cpu.QUANT_TYPES: Q4_0, Q4_1, Q8_0
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) computed by ``linear`` above.
+    """``nn.Linear`` (same parameters and names) computed by ``linear`` above, or by the
+    quantized kernels once ``set_quantized`` gave it GGUF blocks.
 
     ``process_weights_after_loading()`` (re)builds the packed copy of the weight; call
     it whenever the weight changes. Until then the plain weight is used.
     """
 
     packed_weight: torch.Tensor | None = None
+    quant: QuantWeight | None = None
+
+    def set_quantized(self, quant: QuantWeight) -> None:
+        """Compute with ``quant`` from now on; the dense weight is dropped (one copy)."""
+        if (quant.n, quant.k) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight {quant.n} x {quant.k} does not fit a Linear "
+                f"{self.out_features} x {self.in_features}"
+            )
+        self.quant = quant
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.packed_weight = None
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = pack_linear_weight(self.weight)
+        if self.quant is None:
+            self.packed_weight = pack_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         return linear(x, self.weight, self.bias, self.packed_weight)
 
 
@@ -163,13 +225,26 @@ class VocabParallelEmbedding(nn.Module):
         self.num_rows = vocab_rows(vocab_size, parallel.tp_size)
         self.start = parallel.tp_rank * self.num_rows
         self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+        self.quant: QuantWeight | None = None
+
+    def set_quantized(self, quant: QuantWeight) -> None:
+        """Look rows up in (and, tied, project onto) ``quant``; the dense weight is dropped."""
+        if (quant.n, quant.k) != tuple(self.weight.shape):
+            raise ValueError(
+                f"quantized embedding {quant.n} x {quant.k} does not fit {tuple(self.weight.shape)}"
+            )
+        self.quant = quant
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.parallel.all_reduce(out)
 

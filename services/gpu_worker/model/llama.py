@@ -35,6 +35,7 @@ from services.gpu_worker.attention import AttentionBackend, AttentionMetadata, K
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState
 from services.gpu_worker.model.layers import (
     Linear,
+    QuantWeight,
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
@@ -43,9 +44,12 @@ from services.gpu_worker.model.layers import (
     silu_and_mul,
     vocab_rows,
 )
+from services.model_loader.gguf_tensors import GGUFBlocks
 
 # A pipeline stage's output for the next: (hidden, residual), each [T, H].
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
+# A checkpoint tensor: dense, or a GGUF matrix's blocks (kept quantized where kernels read them).
+CheckpointTensor = torch.Tensor | GGUFBlocks
 
 # (fused param, HF name, shard): HF's separate projections land in slices of the fused ones.
 _STACKED_PARAMS = (
@@ -247,8 +251,12 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
-            assert self.model.embed_tokens is not None
-            logits = linear(hidden, self.model.embed_tokens.weight, packed=self._tied_lm_head)
+            embed = self.model.embed_tokens
+            assert embed is not None
+            if embed.quant is not None:
+                logits = embed.quant.linear(hidden)
+            else:
+                logits = linear(hidden, embed.weight, packed=self._tied_lm_head)
         if self.parallel.tp_size == 1:
             return logits.float()
         # Each rank's padded vocabulary slice, gathered in rank order; drop the padding.
@@ -260,14 +268,20 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
         if self.arch.tie_word_embeddings and self.parallel.is_last_stage:
-            assert self.model.embed_tokens is not None  # the last stage keeps it when tied
-            self._tied_lm_head = pack_linear_weight(self.model.embed_tokens.weight)
+            embed = self.model.embed_tokens
+            assert embed is not None  # the last stage keeps it when tied
+            self._tied_lm_head = (
+                None if embed.quant is not None else pack_linear_weight(embed.weight)
+            )
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Load (HF name, tensor) pairs; a ``GGUFBlocks`` matrix stays quantized where the
+        CPU kernels read its type (fp32 CPU model), and is expanded otherwise."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        pending: dict[str, dict[str | int, GGUFBlocks]] = {}  # fused shards seen quantized
+        for hf_name, checkpoint_tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             if hf_name == "lm_head.weight" and self.lm_head is None:
@@ -283,7 +297,13 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {hf_name!r} matches no model parameter")
-            tensor = self._rank_slice(hf_name, tensor)
+            sliced = self._rank_slice(hf_name, checkpoint_tensor)
+            if isinstance(sliced, GGUFBlocks):
+                if self._load_quantized(name, shard, sliced, pending):
+                    loaded.add(f"{name}#{shard}")
+                    continue
+                sliced = sliced.dequantize().to(param.dtype)
+            tensor = sliced
             target = param.data
             if shard is not None:
                 target = target.narrow(0, *self._shard_range(name, shard))
@@ -305,6 +325,60 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.process_weights_after_loading()
 
+    def _load_quantized(
+        self,
+        name: str,
+        shard: str | int | None,
+        blocks: GGUFBlocks,
+        pending: dict[str, dict[str | int, GGUFBlocks]],
+    ) -> bool:
+        """Keep ``blocks`` quantized in the module that owns ``name`` (a fused projection
+        once all its shards arrived, as one matrix); False when it must be loaded dense."""
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        weight = getattr(module, "weight", None)
+        if (
+            not name.endswith(".weight")
+            or not isinstance(module, Linear | VocabParallelEmbedding)
+            or weight is None
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
+        ):
+            return False
+        if shard is None:
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                blocks = _pad_rows(blocks, weight.shape[0])  # the last rank's padded vocabulary
+            quant = QuantWeight.pack(blocks)
+            if quant is None:
+                return False
+            module.set_quantized(quant)
+            return True
+        parts = pending.setdefault(name, {})
+        parts[shard] = blocks
+        order: tuple[str | int, ...] = ("q", "k", "v") if ".qkv_proj." in name else (0, 1)
+        if len(parts) < len(order):
+            return True  # packed with the other shards
+        del pending[name]
+        chunks = [parts[s] for s in order]
+        quant = None
+        if len({c.ggml_type for c in chunks}) == 1 and len({c.shape[1] for c in chunks}) == 1:
+            data = torch.cat([c.data for c in chunks])
+            rows = sum(c.shape[0] for c in chunks)
+            quant = QuantWeight.pack(
+                GGUFBlocks(data, chunks[0].ggml_type, (rows, chunks[0].shape[1]))
+            )
+        if quant is not None:
+            module.set_quantized(quant)
+            return True
+        for s, chunk in zip(order, chunks, strict=True):  # mixed types: expand each shard
+            target = weight.data.narrow(0, *self._shard_range(name, s))
+            if target.shape != chunk.shape:
+                raise ValueError(
+                    f"checkpoint shard {s!r} of {name!r} has shape {chunk.shape}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(chunk.dequantize())
+        return True
+
     def _on_this_stage(self, hf_name: str) -> bool:
         m = self.model
         if hf_name.startswith("model.layers."):
@@ -323,31 +397,41 @@ class LlamaForCausalLM(nn.Module):
         parts[2] = str(int(parts[2]) - self.model.layer_start)
         return ".".join(parts)
 
-    def _rank_slice(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _rank_slice(self, hf_name: str, tensor: CheckpointTensor) -> CheckpointTensor:
         """This TP rank's slice of a full checkpoint tensor (the whole one for TP 1)."""
+        cut = self._rank_cut(hf_name, tensor.shape[0])
+        if cut is None:
+            return tensor
+        if isinstance(tensor, GGUFBlocks):
+            part = tensor.narrow(*cut)
+            return part if part is not None else tensor.dequantize().narrow(*cut)
+        return tensor.narrow(*cut)
+
+    def _rank_cut(self, hf_name: str, rows: int) -> tuple[int, int, int] | None:
+        """(dim, start, length) of this TP rank's slice of a tensor, None for all of it."""
         p = self.parallel
         if p.tp_size == 1:
-            return tensor
+            return None
         attn = self.model.layers[0].self_attn
         mlp = self.model.layers[0].mlp
         assert isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
         heads, d = attn.heads, attn.head_dim
         width = mlp.intermediate_size
         if ".q_proj." in hf_name:
-            return tensor.narrow(0, heads.q_start * d, heads.num_heads * d)
+            return 0, heads.q_start * d, heads.num_heads * d
         if ".k_proj." in hf_name or ".v_proj." in hf_name:
-            return tensor.narrow(0, heads.kv_start * d, heads.num_kv_heads * d)
+            return 0, heads.kv_start * d, heads.num_kv_heads * d
         if ".o_proj." in hf_name:
-            return tensor.narrow(1, heads.q_start * d, heads.num_heads * d)
+            return 1, heads.q_start * d, heads.num_heads * d
         if ".gate_proj." in hf_name or ".up_proj." in hf_name:
-            return tensor.narrow(0, p.tp_rank * width, width)
+            return 0, p.tp_rank * width, width
         if ".down_proj." in hf_name:
-            return tensor.narrow(1, p.tp_rank * width, width)
+            return 1, p.tp_rank * width, width
         if hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            rows = vocab_rows(self.arch.vocab_size, p.tp_size)
-            start = p.tp_rank * rows
-            return tensor.narrow(0, start, max(0, min(rows, tensor.shape[0] - start)))
-        return tensor  # norms: replicated
+            num_rows = vocab_rows(self.arch.vocab_size, p.tp_size)
+            start = p.tp_rank * num_rows
+            return 0, start, max(0, min(num_rows, rows - start))
+        return None  # norms: replicated
 
     def _shard_range(self, name: str, shard: str | int) -> tuple[int, int]:
         layer = self.model.layers[int(name.split(".")[2])]
@@ -366,3 +450,12 @@ class LlamaForCausalLM(nn.Module):
                 yield from ((name, s) for s in (0, 1))
             else:
                 yield name, None
+
+
+def _pad_rows(blocks: GGUFBlocks, rows: int) -> GGUFBlocks:
+    """``blocks`` with zero rows appended up to ``rows`` (all-zero bytes: zero weights)."""
+    extra = rows - blocks.shape[0]
+    if extra <= 0:
+        return blocks
+    data = torch.cat([blocks.data, blocks.data.new_zeros(extra, blocks.data.shape[1])])
+    return GGUFBlocks(data, blocks.ggml_type, (rows, blocks.shape[1]))

@@ -1,0 +1,161 @@
+"""GGUF models served from their quantized blocks (``--quantization gguf``, the default for a
+GGUF model on CPU): the same logits as the dequantized weights, one copy of each weight.
+
+References: HF transformers on the dequantized default model, and our dense load path over
+the same file (itself checked against HF in test_model.py and test_model_loader.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kernels.cpu import QUANT_TYPES, load_cpu_ops
+from services.config import ModelArchConfig
+from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
+from services.gpu_worker.model.layers import Linear, VocabParallelEmbedding
+from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.model_loader import iter_weights, load_hf_config, prepare_model
+from services.model_loader.gguf_convert import gguf_source, iter_gguf_weights
+from services.model_loader.gguf_tensors import GGUFBlocks
+from tests.test_model import _our_logits
+from tests.test_model_loader import _random_k_blocks
+
+pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="the C++ CPU kernels did not build")
+
+
+def _load(folder: Path, quantized: bool) -> LlamaForCausalLM:
+    cfg = load_hf_config(folder)
+    model = LlamaForCausalLM(ModelArchConfig.from_hf_config(cfg), TorchAttentionBackend).eval()
+    source = gguf_source(folder)
+    assert source is not None
+    if quantized:
+        model.load_weights(iter_gguf_weights(source, cfg, torch.float32, QUANT_TYPES.values()))
+    else:
+        model.load_weights(iter_weights(folder, torch.float32))
+    return model
+
+
+def _quantized_modules(model: LlamaForCausalLM) -> dict[str, str]:
+    """Module name -> ggml type name of every module computing from quantized blocks."""
+    names = {v: k for k, v in QUANT_TYPES.items()}
+    return {
+        name: names[m.quant.ggml_type]
+        for name, m in model.named_modules()
+        if isinstance(m, Linear | VocabParallelEmbedding) and m.quant is not None
+    }
+
+
+def test_default_model_quantized_matches_hf(hf_reference, long_prompt) -> None:
+    """The default Q4_1 model read natively: every matrix stays in its blocks (one copy,
+    ~1/5 of fp32), and the logits are HF's on the dequantized weights."""
+    model = _load(prepare_model(None), quantized=True)
+    quantized = _quantized_modules(model)
+    linears = [n for n, m in model.named_modules() if isinstance(m, Linear)]
+    assert set(linears) <= set(quantized) and quantized["model.embed_tokens"] == "Q8_0"
+    assert {quantized[n] for n in linears} == {"Q4_1"}
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed_bytes = sum(
+        m.quant.packed.numel() for m in model.modules() if getattr(m, "quant", None) is not None
+    )
+    assert dense_bytes < 1_000_000 and packed_bytes < 100_000_000  # fp32 would be 540 MB
+    with torch.inference_mode():
+        expected = hf_reference.model(torch.tensor([long_prompt])).logits[0]
+    ours = _our_logits(model, long_prompt)
+    # Same tolerance as the dense model against HF (test_prefill_logits_match_hf).
+    torch.testing.assert_close(ours, expected, atol=5e-4, rtol=0)
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def _tiny_mixed_gguf(path: Path) -> None:
+    """A 2-layer Llama GGUF with every case the loader distinguishes: fused shards of one type
+    (layer 1) and of mixed types (layer 0's q/k/v), an F16 matrix, Q8_0/Q4_0/Q4_1, a
+    vocabulary not a multiple of 16 rows, an untied output matrix."""
+    from services.model_loader.gguf_tokenizer import _byte_spelling
+
+    tokens = [_byte_spelling()[b] for b in range(256)] + ["Ġt", "he", "<|endoftext|>"]
+    vocab, hidden, inter, heads, kv_heads = len(tokens), 64, 96, 4, 2
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_context_length, 256), (w.add_embedding_length, hidden),
+                       (w.add_feed_forward_length, inter), (w.add_block_count, 2),
+                       (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0)):  # fmt: skip
+        add(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 258 + [3])
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_eos_token_id(258)
+
+    def matrix(name: str, rows: int, cols: int, qtype: Q) -> None:
+        dense = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+        if qtype == Q.F16:
+            w.add_tensor(name, dense.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
+
+    matrix("token_embd.weight", vocab, hidden, Q.Q8_0)
+    matrix("output.weight", vocab, hidden, Q.Q4_0)
+    w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    types = {0: (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.F16), 1: (Q.Q4_0, Q.Q4_0, Q.Q4_0, Q.Q4_1)}
+    for layer, (qk, v, o, mlp) in types.items():
+        p = f"blk.{layer}."
+        matrix(p + "attn_q.weight", heads * 16, hidden, qk)
+        matrix(p + "attn_k.weight", kv_heads * 16, hidden, qk)
+        matrix(p + "attn_v.weight", kv_heads * 16, hidden, v)
+        matrix(p + "attn_output.weight", hidden, heads * 16, o)
+        matrix(p + "ffn_gate.weight", inter, hidden, mlp)
+        matrix(p + "ffn_up.weight", inter, hidden, mlp)
+        matrix(p + "ffn_down.weight", hidden, inter, Q.Q8_0)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(p + norm + ".weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_mixed_types_quantized_equal_dense(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.gguf"
+    _tiny_mixed_gguf(path)
+    folder = prepare_model(str(path), "gguf", cache_dir=tmp_path / "cache")
+    quant, dense = _load(folder, quantized=True), _load(folder, quantized=False)
+    assert _quantized_modules(quant) == {
+        "model.embed_tokens": "Q8_0",
+        "lm_head": "Q4_0",
+        "model.layers.0.self_attn.o_proj": "Q4_0",
+        "model.layers.0.mlp.down_proj": "Q8_0",
+        "model.layers.1.self_attn.qkv_proj": "Q4_0",
+        "model.layers.1.self_attn.o_proj": "Q4_0",
+        "model.layers.1.mlp.gate_up_proj": "Q4_1",
+        "model.layers.1.mlp.down_proj": "Q8_0",
+    }  # layer 0: q/k/v of two types and an F16 MLP stay dense
+    tokens = np.random.default_rng(1).integers(0, 259, 70).tolist()
+    torch.testing.assert_close(
+        _our_logits(quant, tokens), _our_logits(dense, tokens), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K])
+def test_gguf_blocks_narrow(qtype: Q) -> None:
+    """A TP rank's slice of a quantized matrix: rows always, columns along whole blocks."""
+    rng = np.random.default_rng(2)
+    if qtype == Q.Q4_K:  # gguf cannot quantize K-quants: random valid blocks
+        raw = _random_k_blocks(rng, qtype, (8, 512))
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((8, 512)).astype(np.float32), qtype)
+    blocks = GGUFBlocks(torch.from_numpy(raw), int(qtype), (8, 512))
+    full = blocks.dequantize()
+    rows = blocks.narrow(0, 2, 3)
+    assert rows is not None and torch.equal(rows.dequantize(), full[2:5])
+    size = blocks.block_size
+    cols = blocks.narrow(1, size, size)
+    assert cols is not None and torch.equal(cols.dequantize(), full[:, size : 2 * size])
+    assert blocks.narrow(1, size // 2, size) is None  # cuts a block: the loader expands it
