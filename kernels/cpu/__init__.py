@@ -39,6 +39,12 @@ _SOURCES = [
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
 
+def _flags() -> list[str]:
+    """``_FLAGS`` plus ``$ACTORSERVE_CPU_FLAGS`` (e.g. ``-mno-avx512f``: the AVX2 code path
+    on an AVX-512 machine, as on AMD Zen 3)."""
+    return _FLAGS + os.environ.get("ACTORSERVE_CPU_FLAGS", "").split()
+
+
 def _build_name() -> str:
     """One build folder per CPU and per source text: the build is ``-march=native``, so a
     cache shared by machines with other CPUs must not be reused, and two checkouts with
@@ -50,7 +56,8 @@ def _build_name() -> str:
     except OSError:
         cpu = platform.processor()
     sources = b"".join(p.read_bytes() for p in sorted(_DIR.glob("*.[ch]*")))
-    digest = hashlib.sha256(cpu.encode() + b"\0" + sources).hexdigest()[:16]
+    flags = " ".join(_flags()).encode()
+    digest = hashlib.sha256(cpu.encode() + b"\0" + flags + b"\0" + sources).hexdigest()[:16]
     return f"actorserve_cpu_ops_{digest}"
 
 
@@ -86,7 +93,7 @@ def load_cpu_ops() -> bool:
         load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=_FLAGS,
+            extra_cflags=_flags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -17,8 +17,8 @@
 // rounding order, at 4.5 to 8.5 bits of weight read per value.
 //
 // Decode batches are done against the quants directly, kMaxRegRows rows of x per pass over
-// a group; from kScratchRows rows on (prefill) each task first expands its group into an
-// fp32 scratch [K][16] (L1/L2-sized), then multiplies every row of x into it.
+// a group (the group stays in L1 between passes); from kGemmRows rows on (prefill) pieces
+// of W are expanded to fp32 once and multiplied by torch's fp32 GEMM.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,16 +40,17 @@ constexpr int G = W;    // rows per interleaved group (one vector lane each)
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
 
 // Rows of x per pass against the quants (their accumulators fill the vector registers),
-// and from how many rows on a group is expanded to fp32 first (bench/quant_linear.py).
+// and from how many rows on W is expanded to fp32 pieces for torch's GEMM instead
+// (bench/quant_linear.py: ~130-150 GFLOP/s in registers up to 64 rows on the 2-core
+// dev VM, ~170-200 through the GEMM at 512).
 #if defined(__AVX512F__)
 constexpr int kMaxRegRows = 8;  // 32 vector registers
-constexpr int kTileRows = 8;
-constexpr int64_t kScratchRows = 32;
+constexpr int64_t kGemmRows = 64;
 #else
 constexpr int kMaxRegRows = 2;  // 16 registers, each vf two of them
-constexpr int kTileRows = 4;
-constexpr int64_t kScratchRows = 3;
+constexpr int64_t kGemmRows = 16;
 #endif
+constexpr int64_t kGemmChunkBytes = 4 << 20;
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -123,10 +124,12 @@ inline void quants(const uint8_t* gb, int j, vf& lo, vf& hi) {
   }
 }
 
-// out[m][r0 + r] for M rows of x (row stride k) and one group of 16 weight rows, `rows`
-// of them real. xsum[m * nb + b]: sum of x row m over block b.
+// out[m][r0 + r] for M rows of x and one group of 16 weight rows, `rows` of them real.
+// x is block-major: xb[(b * M + m) * 32 + j] = x[m][b * 32 + j], so every broadcast in a
+// block is one base register plus a constant (row-major x needed a pointer per row and
+// element: 256 of them, spilled to the stack). xsum[b * M + m]: sum of that block of x.
 template <int64_t T, int M>
-void group_rows(float* out, int64_t out_stride, const float* x, const float* xsum, const uint8_t* g,
+void group_rows(float* out, int64_t out_stride, const float* xb, const float* xsum, const uint8_t* g,
                 int64_t k, int rows) {
   constexpr int NC = M >= 4 ? 2 : 8 / M;  // independent FMA chains per row of x
   constexpr int64_t GB = G * block_bytes<T>();
@@ -134,8 +137,7 @@ void group_rows(float* out, int64_t out_stride, const float* x, const float* xsu
   vf acc[M];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) acc[m] = vf{};
-  for (int64_t b = 0; b < nb; ++b, g += GB) {
-    const float* xb = x + b * QK;
+  for (int64_t b = 0; b < nb; ++b, g += GB, xb += M * QK) {
     vf s[M][NC];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
@@ -147,8 +149,8 @@ void group_rows(float* out, int64_t out_stride, const float* x, const float* xsu
       quants<T>(g, j, lo, hi);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        s[m][(2 * j) % NC] += lo * xb[m * k + j];
-        s[m][(2 * j + 1) % NC] += hi * xb[m * k + j + 16];
+        s[m][(2 * j) % NC] += lo * xb[m * QK + j];
+        s[m][(2 * j + 1) % NC] += hi * xb[m * QK + j + 16];
       }
     }
     const vf d = halves(g);
@@ -157,7 +159,7 @@ void group_rows(float* out, int64_t out_stride, const float* x, const float* xsu
       vf t = s[m][0];
 #pragma GCC unroll 8
       for (int c = 1; c < NC; ++c) t += s[m][c];
-      const float xs = xsum[m * nb + b];
+      const float xs = xsum[b * M + m];
       if constexpr (T == kQ8_0) {
         acc[m] += t * d;
       } else if constexpr (T == kQ4_0) {
@@ -170,41 +172,25 @@ void group_rows(float* out, int64_t out_stride, const float* x, const float* xsu
   for (int m = 0; m < M; ++m) std::memcpy(out + m * out_stride, &acc[m], rows * sizeof(float));
 }
 
-// The group's 16 rows as fp32, k-major: scratch[c * 16 + r] = W[r0 + r][c].
+// The group's 16 rows as fp32, k-major: scratch[c * ld + r] = W[r0 + r][c].
 template <int64_t T>
-void expand_group(float* scratch, const uint8_t* g, int64_t k) {
+void expand_group(float* scratch, const uint8_t* g, int64_t k, int64_t ld = G) {
   constexpr int64_t GB = G * block_bytes<T>();
   for (int64_t b = 0; b < k / QK; ++b, g += GB) {
     const vf d = halves(g);
     vf add = vf{};
     if constexpr (T == kQ4_1) add = halves(g + 2 * G);
     if constexpr (T == kQ4_0) add = d * -8.f;
-    float* s = scratch + b * QK * G;
+    float* s = scratch + b * QK * ld;
     for (int j = 0; j < 16; ++j) {
       vf lo, hi;
       quants<T>(g, j, lo, hi);
       lo = lo * d + add;
       hi = hi * d + add;
-      std::memcpy(s + j * G, &lo, sizeof(vf));
-      std::memcpy(s + (j + 16) * G, &hi, sizeof(vf));
+      std::memcpy(s + j * ld, &lo, sizeof(vf));
+      std::memcpy(s + (j + 16) * ld, &hi, sizeof(vf));
     }
   }
-}
-
-// out[m][r0 + r] for M rows of x against an expanded group.
-template <int M>
-inline void tile_rows(float* out, int64_t out_stride, const float* x, const float* scratch, int64_t k,
-                      int rows) {
-  vf acc[M];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) acc[m] = vf{};
-  for (int64_t c = 0; c < k; ++c) {
-    vf wv;
-    std::memcpy(&wv, scratch + c * G, sizeof(vf));
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[m] += wv * x[m * k + c];
-  }
-  for (int m = 0; m < M; ++m) std::memcpy(out + m * out_stride, &acc[m], rows * sizeof(float));
 }
 
 template <int64_t T>
@@ -229,36 +215,51 @@ template <int64_t T>
 void quant_linear_type(float* out, const float* x, const uint8_t* w, int64_t m, int64_t n, int64_t k) {
   constexpr int64_t GB = G * block_bytes<T>();
   const int64_t nb = k / QK, groups = (n + G - 1) / G, group_bytes = nb * GB;
-  if (m >= kScratchRows) {
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(k * G);
-      for (int64_t gi = begin; gi < end; ++gi) {
-        const int rows = static_cast<int>(std::min<int64_t>(G, n - gi * G));
-        expand_group<T>(scratch.data(), w + gi * group_bytes, k);
-        float* o = out + gi * G;
-        int64_t i = 0;
-        for (; i + kTileRows <= m; i += kTileRows) tile_rows<kTileRows>(o + i * n, n, x + i * k, scratch.data(), k, rows);
-        for (; i + 2 <= m; i += 2) tile_rows<2>(o + i * n, n, x + i * k, scratch.data(), k, rows);
-        if (i < m) tile_rows<1>(o + i * n, n, x + i * k, scratch.data(), k, rows);
+  // x block-major per pass of up to kMaxRegRows rows (see group_rows), and its block sums.
+  const int64_t passes = (m + kMaxRegRows - 1) / kMaxRegRows;
+  std::vector<float> xt(m * k), xsum(m * nb);
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t r0 = p * kMaxRegRows, rows = std::min<int64_t>(kMaxRegRows, m - r0);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* src = x + (r0 + r) * k + b * QK;
+        std::memcpy(&xt[r0 * k + (b * rows + r) * QK], src, QK * sizeof(float));
+        float sum = 0.f;
+        for (int j = 0; j < QK; ++j) sum += src[j];
+        xsum[r0 * nb + b * rows + r] = sum;
       }
-    });
-    return;
-  }
-  std::vector<float> xsum(m * nb);
-  for (int64_t i = 0; i < m * nb; ++i) {
-    float s = 0.f;
-    for (int j = 0; j < QK; ++j) s += x[i * QK + j];
-    xsum[i] = s;
   }
   // Rows of x in passes of kMaxRegRows, each pass over the same group (still in L1).
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t gi = begin; gi < end; ++gi) {
       const int rows = static_cast<int>(std::min<int64_t>(G, n - gi * G));
       for (int64_t i = 0; i < m; i += kMaxRegRows)
-        group_rows_any<T>(out + i * n + gi * G, n, x + i * k, xsum.data() + i * nb, w + gi * group_bytes, k,
-                          rows, std::min<int64_t>(kMaxRegRows, m - i));
+        group_rows_any<T>(out + i * n + gi * G, n, xt.data() + i * k, xsum.data() + i * nb,
+                          w + gi * group_bytes, k, rows, std::min<int64_t>(kMaxRegRows, m - i));
     }
   });
+}
+
+// Many rows of x (prefill): expand row groups of W into W^T [k, cols] fp32 pieces of
+// about kGemmChunkBytes (L2-sized) and multiply each with torch's fp32 GEMM.
+template <int64_t T>
+void quant_linear_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n, int64_t k) {
+  constexpr int64_t GB = G * block_bytes<T>();
+  const int64_t groups = (n + G - 1) / G, group_bytes = k / QK * GB;
+  const int64_t chunk = std::max<int64_t>(1, std::min(groups, kGemmChunkBytes / (k * G * 4)));
+  for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+    const int64_t cg = std::min(chunk, groups - g0), ld = cg * G, cols = std::min(ld, n - g0 * G);
+    at::Tensor wt = at::empty({k, ld}, x.options());
+    float* wp = wt.data_ptr<float>();
+    at::parallel_for(0, cg, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t gi = begin; gi < end; ++gi) expand_group<T>(wp + gi * G, w + (g0 + gi) * group_bytes, k, ld);
+    });
+    if (ld == n) {  // one piece, no padded rows
+      at::mm_out(out, x, wt);
+    } else {
+      out.narrow(1, g0 * G, cols).copy_(at::mm(x, wt).narrow(1, 0, cols));
+    }
+  }
 }
 
 int64_t checked_block_bytes(int64_t type) {
@@ -290,6 +291,13 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+  if (m >= kGemmRows) {
+    switch (type) {
+      case kQ8_0: return quant_linear_gemm<kQ8_0>(out, x, wp, n, k);
+      case kQ4_0: return quant_linear_gemm<kQ4_0>(out, x, wp, n, k);
+      case kQ4_1: return quant_linear_gemm<kQ4_1>(out, x, wp, n, k);
+    }
+  }
   switch (type) {
     case kQ8_0: return quant_linear_type<kQ8_0>(o, xp, wp, m, n, k);
     case kQ4_0: return quant_linear_type<kQ4_0>(o, xp, wp, m, n, k);
