@@ -256,7 +256,7 @@ def test_model_linear_uses_streaming_op_for_one_token(monkeypatch: pytest.Monkey
     with torch.inference_mode():
         for rows in (1, 2, 3, 8):
             x = torch.randn(rows, 64)
-            got = layers.linear(x, w, b, layers.pack_linear_weight(w))
+            got = layers.linear(x, w, b)
             ref = x.double() @ w.double().T + b.double()
             assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
     assert calls == [1, 2]

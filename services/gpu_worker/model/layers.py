@@ -20,20 +20,17 @@ from torch import nn
 from services.gpu_worker.distributed import ParallelState
 from services.model_loader.gguf_tensors import GGUFBlocks
 
-# oneDNN's fp32 inner-product kernel (what torch.compile emits for CPU linears), on a
-# weight reordered once into its blocked layout, beats MKL's sgemm behind F.linear
-# 1.1-1.6x at decode's small token counts (bench/RESULTS.md). Private ops, so
-# resolved once and optional; they have no autograd formula (inference only).
+# oneDNN's fp32 inner-product kernel (what torch.compile emits for CPU linears). It was
+# 1.1-1.6x faster than MKL's sgemm behind F.linear at 4-16 tokens on a copy of the
+# weight reordered into its blocked layout; that copy doubled the weights' memory, so
+# the model keeps one plain copy (bench/RESULTS.md, issue 15). A private op, so resolved
+# once and optional; it has no autograd formula (inference only).
 _onednn_linear: Any
-_onednn_reorder: Any
 try:
     _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
-    _onednn_reorder = torch.ops.mkldnn._reorder_linear_weight.default
 except (AttributeError, RuntimeError):
-    _onednn_linear = _onednn_reorder = None
+    _onednn_linear = None
 _USE_ONEDNN = _onednn_linear is not None and torch.backends.mkldnn.is_available()
-# Token count the blocked layout is tuned for; measured as good from 1 to 512 tokens.
-_PACK_BATCH_HINT = 64
 
 
 # A linear over one or two tokens (decode at batch 1-2) is a stream over its weight; the
@@ -59,21 +56,9 @@ def _cpu_fp32_inference(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of an fp32 CPU ``weight`` for ``linear``; None elsewhere."""
-    if not _USE_ONEDNN or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return None
-    return _onednn_reorder(weight.detach(), _PACK_BATCH_HINT)
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; for fp32 CPU inference through the C++ streaming op at 1 or 2
-    tokens, else oneDNN (on ``packed = pack_linear_weight(weight)`` if given)."""
+    tokens, else oneDNN."""
     if not _cpu_fp32_inference(x):
         return F.linear(x, weight, bias)
     if (
@@ -88,7 +73,7 @@ def linear(
             out = op(x, weight)
             return out if bias is None else out.add_(bias)
     if _USE_ONEDNN:
-        return _onednn_linear(x, weight if packed is None else packed, bias, "none", [], "")
+        return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -139,12 +124,8 @@ _QUANT_TYPE_IDS = frozenset({2, 3, 8})  # kernels.cpu.QUANT_TYPES: Q4_0, Q4_1, Q
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) computed by ``linear`` above, or by the
     quantized kernels once ``set_quantized`` gave it GGUF blocks.
-
-    ``process_weights_after_loading()`` (re)builds the packed copy of the weight; call
-    it whenever the weight changes. Until then the plain weight is used.
     """
 
-    packed_weight: torch.Tensor | None = None
     quant: QuantWeight | None = None
 
     def set_quantized(self, quant: QuantWeight) -> None:
@@ -156,16 +137,11 @@ class Linear(nn.Linear):
             )
         self.quant = quant
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-        self.packed_weight = None
-
-    def process_weights_after_loading(self) -> None:
-        if self.quant is None:
-            self.packed_weight = pack_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(x, self.bias)
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -40,7 +40,6 @@ from services.gpu_worker.model.layers import (
     RotaryEmbedding,
     VocabParallelEmbedding,
     linear,
-    pack_linear_weight,
     silu_and_mul,
     vocab_rows,
 )
@@ -213,8 +212,7 @@ class LlamaForCausalLM(nn.Module):
     first takes the previous one's as ``intermediate``);
     ``compute_logits(hidden[N, H]) -> logits[N, vocab]`` in fp32 (last stage only);
     ``load_weights`` takes (HF name, tensor) pairs and raises ``ValueError`` on an
-    unknown name or a parameter left unloaded; it then re-packs the linear weights
-    for the CPU kernels (``process_weights_after_loading``).
+    unknown name or a parameter left unloaded.
     """
 
     def __init__(
@@ -235,7 +233,6 @@ class LlamaForCausalLM(nn.Module):
             if parallel.is_last_stage and not arch.tie_word_embeddings
             else None
         )
-        self._tied_lm_head: torch.Tensor | None = None  # packed embedding, when tied
 
     def forward(
         self,
@@ -256,23 +253,11 @@ class LlamaForCausalLM(nn.Module):
             if embed.quant is not None:
                 logits = embed.quant.linear(hidden)
             else:
-                logits = linear(hidden, embed.weight, packed=self._tied_lm_head)
+                logits = linear(hidden, embed.weight)
         if self.parallel.tp_size == 1:
             return logits.float()
         # Each rank's padded vocabulary slice, gathered in rank order; drop the padding.
         return self.parallel.all_gather(logits)[:, : self.arch.vocab_size].float()
-
-    def process_weights_after_loading(self) -> None:
-        """Repack every linear weight (and the tied LM head) for the CPU kernels."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_weights_after_loading()
-        if self.arch.tie_word_embeddings and self.parallel.is_last_stage:
-            embed = self.model.embed_tokens
-            assert embed is not None  # the last stage keeps it when tied
-            self._tied_lm_head = (
-                None if embed.quant is not None else pack_linear_weight(embed.weight)
-            )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
@@ -323,7 +308,6 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-        self.process_weights_after_loading()
 
     def _load_quantized(
         self,
