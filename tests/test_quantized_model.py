@@ -159,3 +159,43 @@ def test_gguf_blocks_narrow(qtype: Q) -> None:
     cols = blocks.narrow(1, size, size)
     assert cols is not None and torch.equal(cols.dequantize(), full[:, size : 2 * size])
     assert blocks.narrow(1, size // 2, size) is None  # cuts a block: the loader expands it
+
+
+def test_fused_decode_layers_equal_python_layers() -> None:
+    """A decode-only step through ``decode_layers`` (one C++ call for every layer) gives the
+    Python layers' logits and cache contents bit for bit: the same kernels in the same order."""
+    from services.gpu_worker.model_runner import build_attention_metadata
+    from tests.test_model import make_kv_cache
+
+    model = _load(prepare_model(None), quantized=True)
+    arch, block_size = model.arch, 16
+    lens = np.array([20, 37, 50])
+    tables = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)  # 4 blocks (64 slots) each
+    caches = [make_kv_cache(12, block_size, arch.num_key_value_heads, arch.head_dim)
+              for _ in range(arch.num_hidden_layers)]  # fmt: skip
+    rng = np.random.default_rng(3)
+
+    def step(
+        caches: list, computed: np.ndarray, scheduled: np.ndarray, fused: bool
+    ) -> torch.Tensor:
+        meta, _, positions = build_attention_metadata(
+            computed, scheduled, tables, block_size, torch.device("cpu")
+        )
+        ids = torch.from_numpy(rng.integers(0, arch.vocab_size, int(scheduled.sum())))
+        model.model.fused_decode = fused
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.from_numpy(positions), meta, caches))
+
+    step(caches, np.zeros(3, np.int64), lens, fused=True)  # prefill: not fused either way
+    assert model.model._fused is False  # undecided: no decode step yet
+    twin = [(k.clone(), v.clone()) for k, v in caches]
+    state = rng.bit_generator.state
+    python = step(caches, lens, np.ones(3, np.int64), fused=False)
+    rng.bit_generator.state = state  # the same next tokens
+    fused = step(twin, lens, np.ones(3, np.int64), fused=True)
+    assert model.model._fused is not None and model.model._fused is not False
+    assert torch.equal(fused, python)
+    for (k1, v1), (k2, v2) in zip(caches, twin, strict=True):
+        assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(
+            v1.nan_to_num(), v2.nan_to_num()
+        )

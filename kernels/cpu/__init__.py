@@ -8,7 +8,9 @@
   interleaved 16 rows at a time by ``quant_pack``), dequantized in registers, fp32
   accumulation; ``quant_dequant_rows`` expands single rows (embedding lookups);
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_embedding_``: the
-  per-layer elementwise ops in one pass each.
+  per-layer elementwise ops in one pass each;
+- ``decode_layers``: a decode step's decoder layers in one call, from the ops above
+  (the model's fast path for decode-only steps over quantized weights).
 
 They are compiled once per machine and source version (~20 s on 2 cores; ``make install``
 does it ahead) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
@@ -34,7 +36,14 @@ logger = init_logger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [
-    _DIR / name for name in ("paged_attention.cpp", "gemv.cpp", "quant_gemv.cpp", "elementwise.cpp")
+    _DIR / name
+    for name in (
+        "paged_attention.cpp",
+        "gemv.cpp",
+        "quant_gemv.cpp",
+        "elementwise.cpp",
+        "decode_layers.cpp",
+    )
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
@@ -167,6 +176,12 @@ def quant_dequant_rows(
     """Rows ``ids`` (int64) of ``W`` [n, k] packed by ``quant_pack``, dequantized to fp32
     [len(ids), k] (embedding lookups). Requires ``load_cpu_ops()`` to have returned True."""
     return torch.ops.actorserve_cpu.quant_dequant_rows(packed, ggml_type, n, k, ids)  # type: ignore[no-any-return]
+
+
+def decode_layers(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.actorserve_cpu.decode_layers`` (see ``services/gpu_worker/model/llama.py``
+    and ``decode_layers.cpp``). Requires ``load_cpu_ops()`` to have returned True."""
+    return torch.ops.actorserve_cpu.decode_layers(*args)  # type: ignore[no-any-return]
 
 
 def rms_norm(
