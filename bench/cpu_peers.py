@@ -117,7 +117,9 @@ def run_one(server: Server, workload: str, out_dir: Path) -> dict[str, Any]:
         name = f"{server.name}-{workload}.json"
         cmd = [sys.executable, "-m", "launch.cli", "bench", "--base-url", proc.url, *COMMON,
                *WORKLOADS[workload], "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
-        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"bench against {server.name} failed: {run.stderr[-2000:]}")
         result = json.loads((out_dir / name).read_text())
     finally:
         proc.close()

@@ -2,6 +2,8 @@
 
 ``prepare_model`` resolves ``--model``/``--load-format`` to that folder; everything downstream
 reads it with ``load_hf_config``, ``iter_weights`` (or ``dummy_weights``) and ``load_tokenizer``.
+A CPU worker serving a GGUF model reads the weights from the file itself instead
+(``gguf_convert.iter_gguf_weights``): quantized matrices come as their blocks (``GGUFBlocks``).
 """
 
 from services.model_loader.errors import ModelLoadError
