@@ -79,11 +79,10 @@ def servers(peers: Path) -> list[Server]:
                                       "--threads-http", "24", "--alias", "smol"], {}, 120))  # fmt: skip
     vllm = peers / "venv-vllm" / "bin" / "vllm"
     if vllm.exists():
-        for dtype in ("bfloat16", "float32"):
+        for label, dtype in (("vllm-bf16", "bfloat16"), ("vllm-fp32", "float32")):
             cmd = [str(vllm), "serve", folder, "--host", "127.0.0.1", "--port", "PORT",
                    "--max-model-len", "2048", "--dtype", dtype, "--served-model-name", "smol"]  # fmt: skip
-            found.append(Server(f"vllm-{dtype[:4].replace('floa', 'fp32')}", cmd,
-                                {"VLLM_CPU_KVCACHE_SPACE": "2"}, 600))  # fmt: skip
+            found.append(Server(label, cmd, {"VLLM_CPU_KVCACHE_SPACE": "2"}, 600))
     return found
 
 

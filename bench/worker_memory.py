@@ -96,7 +96,8 @@ def main() -> int:
             status = worker_status(server.popen.pid)
         finally:
             server.close()
-    row = {"model": model or "default", "load_format": load_format, "flags": extra,
+    label = "llama-1b (dummy)" if args.llama_1b else model or "default"
+    row = {"model": label, "load_format": load_format, "flags": extra,
            "weights_bytes": weights, **status, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     over = status["VmRSS"] - weights
     print(f"weights {weights / 1e6:.0f} MB; worker RSS {status['VmRSS'] / 1e6:.0f} MB "
