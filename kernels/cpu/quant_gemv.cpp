@@ -174,7 +174,7 @@ void group_rows(float* out, int64_t out_stride, const float* xb, const float* xs
 
 // The group's 16 rows as fp32, k-major: scratch[c * ld + r] = W[r0 + r][c].
 template <int64_t T>
-void expand_group(float* scratch, const uint8_t* g, int64_t k, int64_t ld = G) {
+void expand_group(float* scratch, const uint8_t* g, int64_t k, int64_t ld) {
   constexpr int64_t GB = G * block_bytes<T>();
   for (int64_t b = 0; b < k / QK; ++b, g += GB) {
     const vf d = halves(g);
@@ -241,7 +241,7 @@ void quant_linear_type(float* out, const float* x, const uint8_t* w, int64_t m, 
 }
 
 // Many rows of x (prefill): expand row groups of W into W^T [k, cols] fp32 pieces of
-// about kGemmChunkBytes (L2-sized) and multiply each with torch's fp32 GEMM.
+// about kGemmChunkBytes and multiply each with torch's fp32 GEMM.
 template <int64_t T>
 void quant_linear_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n, int64_t k) {
   constexpr int64_t GB = G * block_bytes<T>();

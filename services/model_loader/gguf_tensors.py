@@ -121,10 +121,6 @@ class GGUFBlocks:
     def block_size(self) -> int:
         return int(GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)][0])
 
-    @property
-    def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
-
     def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks | None:
         """Rows or columns ``[start, start + length)``; None when columns cut a block."""
         rows, cols = self.shape

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import QUANT_TYPES
 from services.gpu_worker.distributed import ParallelState
 from services.model_loader.gguf_tensors import GGUFBlocks
 
@@ -93,7 +94,7 @@ class QuantWeight:
         they lack, a width not a multiple of 32, no C++ ops)."""
         n, k = blocks.shape
         if (
-            blocks.ggml_type not in _QUANT_TYPE_IDS
+            blocks.ggml_type not in QUANT_TYPES.values()
             or k % 32
             or n == 0
             or _cpu_op("quant_pack") is None
@@ -116,9 +117,6 @@ class QuantWeight:
             self.packed, self.ggml_type, self.n, self.k, ids.reshape(-1).long()
         )
         return flat.view(*ids.shape, self.k)
-
-
-_QUANT_TYPE_IDS = frozenset({2, 3, 8})  # kernels.cpu.QUANT_TYPES: Q4_0, Q4_1, Q8_0
 
 
 class Linear(nn.Linear):

@@ -549,10 +549,11 @@ def fused_decode_layers(
     fused: _FusedWeights,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a decode-only step through ``decode_layers``: (hidden, residual)."""
-    out: tuple[torch.Tensor, torch.Tensor] = torch.ops.actorserve_cpu.decode_layers(
+    from kernels.cpu import decode_layers
+
+    return decode_layers(
         hidden.contiguous(), fused.weights, fused.types, fused.dims,
         [k for k, _ in kv_caches], [v for _, v in kv_caches],
         meta.block_table, meta.slot_mapping, meta.seq_lens_cpu.long(), cos_sin[0], cos_sin[1],
         fused.num_heads, fused.num_kv_heads, fused.eps, fused.scale,
     )  # fmt: skip
-    return out
