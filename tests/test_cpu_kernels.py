@@ -97,6 +97,30 @@ def test_long_contexts_and_strided_query() -> None:
     assert err < 1e-5, f"relative error {err:.2e} (seed {seed})"
 
 
+@pytest.mark.parametrize("threads", [2, 4, 7])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (6, 2)])
+def test_few_rows_split_by_head_and_position(threads: int, heads) -> None:
+    """Fewer rows than threads (decode at batch 1): each row is cut into (KV head,
+    position range) parts merged by their softmax maxima; equal to the reference for
+    contexts shorter than one range, ending mid-tile, and of many ranges."""
+    seqs = [(1000, 1), (70, 1), (5, 1)]
+    batch, seed = _batch(seqs, block_size=16, heads=heads, head_dim=64, dtype=torch.float32)
+    rows, reqs, ctx = _rows(batch)
+    ref = reference_attention(batch)
+    args = (batch["key_cache"], batch["value_cache"], batch["block_table"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for pick in ([0], [1], [2], [0, 2]):
+            idx = torch.tensor(pick)
+            out = torch.full_like(batch["query"], float("nan"))
+            paged_attention_rows(out, batch["query"], *args, rows[idx], reqs[idx], ctx[idx], 0.125)
+            err = float((out[idx].double() - ref[idx]).norm() / ref[idx].norm())
+            assert err < 1e-5, f"rows {pick}, {threads} threads: error {err:.2e} (seed {seed})"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rejects_bad_arguments() -> None:
     batch, _ = _batch([(3, 1)], block_size=8, heads=(4, 4), head_dim=32, dtype=torch.float32)
     rows, reqs, ctx = _rows(batch)

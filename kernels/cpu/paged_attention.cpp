@@ -7,7 +7,7 @@
 //
 // One task per row, so a row's K/V slots are read front to back, all KV heads at once
 // (per-(row, head) tasks read a third of every slot and streamed at a third of the
-// bandwidth). Two passes instead of an online softmax: all scores of a row fit in
+// bandwidth); with fewer rows than threads, rows are cut into parts (see attend_rows). Two passes instead of an online softmax: all scores of a row fit in
 // L1/L2. Both passes walk tiles of 16 positions, one KV head's whole GQA group at a
 // time, so a K or V row is loaded once for all the query heads that read it. Pass 1
 // reduces a tile's 16 dot products per head with one shuffle tree instead of 16
@@ -113,100 +113,199 @@ inline void for_group(int64_t group, Fn&& fn) {
   }
 }
 
+// A call's tensors, and the attention of part of one row: some of its KV heads over some
+// of its positions.
+template <typename scalar_t, int D>
+struct RowAttention {
+  static constexpr int C = D / W;  // vectors per head
+  const scalar_t *q_base, *k_base, *v_base;
+  scalar_t* o_base;
+  const int32_t* bt_base;
+  const int64_t *rows, *reqs, *ctx_lens;
+  int64_t num_heads, num_kv_heads, group, block_size, tok_stride, q_stride0, q_stride1, o_stride0, o_stride1,
+      bt_stride;
+  int block_shift;
+  float scale;
+
+  struct Scratch {
+    std::vector<vf> q;
+    std::vector<float> scores;
+    std::vector<int64_t> slot;  // element offset of each position's cache slot
+  };
+
+  // Row i's query heads of KV heads [kv0, kv1) over positions [ta, tb): acc[h] = the
+  // unnormalised sum of exp(s - m[h]) v (C vectors per head), m[h] = the head's highest
+  // score there, l[h] = its sum of exp(s - m[h]).
+  void part(int64_t i, int64_t kv0, int64_t kv1, int64_t ta, int64_t tb, Scratch& s, vf* acc, float* m,
+            float* l) const {
+    const int64_t len = tb - ta, padded = (len + W - 1) / W * W;
+    const int64_t h0 = kv0 * group, nh = (kv1 - kv0) * group;
+    const int32_t* table = bt_base + reqs[i] * bt_stride;
+    s.q.resize(nh * C);
+    s.scores.resize(nh * padded);
+    s.slot.resize(padded);
+    int64_t* slot = s.slot.data();
+    float* scores = s.scores.data();
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t p = ta + t;
+      slot[t] = ((int64_t(table[p >> block_shift]) << block_shift) + (p & (block_size - 1))) * tok_stride;
+    }
+    for (int64_t h = 0; h < nh; ++h)
+      for (int c = 0; c < C; ++c)
+        s.q[h * C + c] = load_vec(q_base + rows[i] * q_stride0 + (h0 + h) * q_stride1 + c * W) * scale;
+
+    // Pass 1: scores[h][t] = q_h . k_t, W positions at a time.
+    constexpr int64_t ahead = 4 * W;
+    prefetch_tile(k_base, slot, 0, std::min(ahead, len), tok_stride);
+    prefetch_tile(v_base, slot, 0, std::min(ahead, len), tok_stride);
+    for (int64_t t0 = 0; t0 < len; t0 += W) {
+      const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
+      // K for pass 1 and, into L2, V for pass 2: twice the requests in flight.
+      prefetch_tile(k_base, slot, std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
+      prefetch_tile(v_base, slot, std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        for_group(group, [&](auto heads, int64_t g0) {
+          const int64_t h = (kvh - kv0) * group + g0;
+          tile_scores<decltype(heads)::value, C>(s.q.data() + h * C, k_base + kvh * D, slot + t0, n,
+                                                 scores + h * padded + t0, padded);
+        });
+      }
+    }
+    // Softmax numerators per query head; the caller divides by l.
+    for (int64_t h = 0; h < nh; ++h) {
+      float* sh = scores + h * padded;
+      float mh = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < len; ++t) mh = std::max(mh, sh[t]);
+      vf vsum = {};
+      int64_t t = 0;
+      for (; t + W <= len; t += W) {
+        const vf e = exp_vec(load_vec(sh + t) - mh);
+        std::memcpy(sh + t, &e, sizeof(e));
+        vsum += e;
+      }
+      float sum = 0.f;
+      for (int j = 0; j < W; ++j) sum += vsum[j];
+      for (; t < len; ++t) {
+        sh[t] = std::exp(sh[t] - mh);
+        sum += sh[t];
+      }
+      m[h] = mh;
+      l[h] = sum;
+    }
+    // Pass 2: acc_h = sum_t p[h][t] * v_t, W positions at a time, so a tile of V stays
+    // in L1 while every head reads it; a head's accumulator lives in registers per tile.
+    std::fill(acc, acc + nh * C, vf{});
+    for (int64_t t0 = 0; t0 < len; t0 += W) {
+      const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        for_group(group, [&](auto heads, int64_t g0) {
+          const int64_t h = (kvh - kv0) * group + g0;
+          tile_accumulate<decltype(heads)::value, C>(acc + h * C, scores + h * padded + t0, padded, v_base + kvh * D,
+                                                     slot + t0, n);
+        });
+      }
+    }
+  }
+
+  void write(int64_t i, int64_t h, const vf* acc, float inv) const {
+    scalar_t* dst = o_base + rows[i] * o_stride0 + h * o_stride1;
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < W; ++j) dst[c * W + j] = static_cast<scalar_t>(acc[c][j] * inv);
+  }
+};
+
+// Fewer rows than threads (decode at batch 1): each row is cut by KV head and into
+// position ranges of at least this many (flash-decoding's split-K), the parts run in
+// parallel and are merged by their softmax maxima. With enough rows, one task per row.
+constexpr int64_t kMinSplitPositions = 64;
+
 template <typename scalar_t, int D>
 void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_table,
                  const int64_t* rows, const int64_t* reqs, const int64_t* ctx_lens,
                  int64_t num_rows, double scale) {
-  constexpr int C = D / W;  // vectors per head
-  const int64_t num_heads = query.size(1);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int block_shift = __builtin_ctzll(block_size);  // block sizes are powers of two
-  const int64_t tok_stride = num_kv_heads * D;  // between consecutive cache slots
-  const int64_t q_stride0 = query.stride(0), q_stride1 = query.stride(1);
-  const int64_t o_stride0 = out.stride(0), o_stride1 = out.stride(1);
-  const int64_t bt_stride = block_table.stride(0);
-  const scalar_t* q_base = query.data_ptr<scalar_t>();
-  scalar_t* o_base = out.data_ptr<scalar_t>();
-  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
-  const int32_t* bt_base = block_table.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  using A = RowAttention<scalar_t, D>;
+  constexpr int C = A::C;
+  A a;
+  a.q_base = query.data_ptr<scalar_t>();
+  a.o_base = out.data_ptr<scalar_t>();
+  a.k_base = key_cache.data_ptr<scalar_t>();
+  a.v_base = value_cache.data_ptr<scalar_t>();
+  a.bt_base = block_table.data_ptr<int32_t>();
+  a.rows = rows;
+  a.reqs = reqs;
+  a.ctx_lens = ctx_lens;
+  a.num_heads = query.size(1);
+  a.num_kv_heads = key_cache.size(2);
+  a.group = a.num_heads / a.num_kv_heads;
+  a.block_size = key_cache.size(1);
+  a.block_shift = __builtin_ctzll(a.block_size);  // block sizes are powers of two
+  a.tok_stride = a.num_kv_heads * D;              // between consecutive cache slots
+  a.q_stride0 = query.stride(0);
+  a.q_stride1 = query.stride(1);
+  a.o_stride0 = out.stride(0);
+  a.o_stride1 = out.stride(1);
+  a.bt_stride = block_table.stride(0);
+  a.scale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vf> q(num_heads * C), acc(num_heads * C);
-    std::vector<float> inv_sum(num_heads), scores;
-    std::vector<int64_t> slot;  // element offset of each position's cache slot
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t len = ctx_lens[i], padded = (len + W - 1) / W * W;
-      const int32_t* table = bt_base + reqs[i] * bt_stride;
-      scores.resize(num_heads * padded);
-      slot.resize(padded);
-      for (int64_t t = 0; t < len; ++t)
-        slot[t] = ((int64_t(table[t >> block_shift]) << block_shift) + (t & (block_size - 1))) * tok_stride;
-      for (int64_t h = 0; h < num_heads; ++h)
-        for (int c = 0; c < C; ++c)
-          q[h * C + c] = load_vec(q_base + rows[i] * q_stride0 + h * q_stride1 + c * W) * fscale;
-
-      // Pass 1: scores[h][t] = q_h . k_t, W positions at a time.
-      constexpr int64_t ahead = 4 * W;
-      prefetch_tile(k_base, slot.data(), 0, std::min(ahead, len), tok_stride);
-      prefetch_tile(v_base, slot.data(), 0, std::min(ahead, len), tok_stride);
-      for (int64_t t0 = 0; t0 < len; t0 += W) {
-        const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
-        // K for pass 1 and, into L2, V for pass 2: twice the requests in flight.
-        prefetch_tile(k_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
-        prefetch_tile(v_base, slot.data(), std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          for_group(group, [&](auto heads, int64_t g0) {
-            const int64_t h = kvh * group + g0;
-            tile_scores<decltype(heads)::value, C>(q.data() + h * C, k_base + kvh * D, slot.data() + t0, n,
-                                                   scores.data() + h * padded + t0, padded);
-          });
-        }
+  const int64_t threads = at::get_num_threads();
+  if (num_rows >= threads || threads == 1 || at::in_parallel_region()) {
+    at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+      typename A::Scratch s;
+      std::vector<vf> acc(a.num_heads * C);
+      std::vector<float> m(a.num_heads), l(a.num_heads);
+      for (int64_t i = begin; i < end; ++i) {
+        a.part(i, 0, a.num_kv_heads, 0, ctx_lens[i], s, acc.data(), m.data(), l.data());
+        for (int64_t h = 0; h < a.num_heads; ++h) a.write(i, h, acc.data() + h * C, 1.f / l[h]);
       }
-      // Softmax per query head, normalised at the end.
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* sh = scores.data() + h * padded;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sh[t]);
-        vf vsum = {};
-        int64_t t = 0;
-        for (; t + W <= len; t += W) {
-          const vf e = exp_vec(load_vec(sh + t) - m);
-          std::memcpy(sh + t, &e, sizeof(e));
-          vsum += e;
-        }
-        float sum = 0.f;
-        for (int j = 0; j < W; ++j) sum += vsum[j];
-        for (; t < len; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
-        }
-        inv_sum[h] = 1.f / sum;
-      }
-      // Pass 2: out_h = sum_t p[h][t] * v_t, W positions at a time, so a tile of V stays
-      // in L1 while every head reads it; a head's accumulator lives in registers per tile.
-      std::fill(acc.begin(), acc.end(), vf{});
-      for (int64_t t0 = 0; t0 < len; t0 += W) {
-        const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          for_group(group, [&](auto heads, int64_t g0) {
-            const int64_t h = kvh * group + g0;
-            tile_accumulate<decltype(heads)::value, C>(acc.data() + h * C, scores.data() + h * padded + t0, padded,
-                                                       v_base + kvh * D, slot.data() + t0, n);
-          });
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* dst = o_base + rows[i] * o_stride0 + h * o_stride1;
-        for (int c = 0; c < C; ++c)
-          for (int j = 0; j < W; ++j) dst[c * W + j] = static_cast<scalar_t>(acc[h * C + c][j] * inv_sum[h]);
-      }
+    });
+    return;
+  }
+  // Tasks (row, KV head, position range), the ranges of a (row, KV head) consecutive.
+  struct Task {
+    int64_t row, kvh, ta, tb;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first;  // first task of each (row, KV head), then the end
+  const int64_t want = (2 * threads + num_rows * a.num_kv_heads - 1) / (num_rows * a.num_kv_heads);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t len = ctx_lens[i];
+    const int64_t splits = std::max<int64_t>(1, std::min(want, len / kMinSplitPositions));
+    const int64_t step = ((len + splits - 1) / splits + W - 1) / W * W;
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
+      first.push_back(static_cast<int64_t>(tasks.size()));
+      for (int64_t ta = 0; ta < len; ta += step) tasks.push_back({i, kvh, ta, std::min(len, ta + step)});
+    }
+  }
+  first.push_back(static_cast<int64_t>(tasks.size()));
+  const int64_t g = a.group, n = static_cast<int64_t>(tasks.size());
+  std::vector<vf> acc(n * g * C);
+  std::vector<float> m(n * g), l(n * g);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    typename A::Scratch s;
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& k = tasks[t];
+      a.part(k.row, k.kvh, k.kvh + 1, k.ta, k.tb, s, acc.data() + t * g * C, m.data() + t * g, l.data() + t * g);
     }
   });
+  // Merge the ranges: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max m_s.
+  std::vector<vf> sum(C);
+  for (size_t f = 0; f + 1 < first.size(); ++f) {
+    const int64_t t0 = first[f], t1 = first[f + 1];
+    const Task& k = tasks[t0];
+    for (int64_t h = 0; h < g; ++h) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, m[t * g + h]);
+      std::fill(sum.begin(), sum.end(), vf{});
+      float den = 0.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float w = std::exp(m[t * g + h] - mx);
+        den += w * l[t * g + h];
+        for (int c = 0; c < C; ++c) sum[c] += w * acc[(t * g + h) * C + c];
+      }
+      a.write(k.row, k.kvh * g + h, sum.data(), 1.f / den);
+    }
+  }
 }
 
 void paged_attention_rows(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
