@@ -207,10 +207,24 @@ def _random_blocks(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, n
 
     rng = np.random.default_rng(seed)
     kind = GGMLQuantizationType[qtype]
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    w *= rng.uniform(0.01, 2.0, (n, 1)).astype(np.float32)
-    blocks = np.ascontiguousarray(quants.quantize(w, kind))
+    if qtype in K_QUANTS:  # gguf-py has no K-quant quantizer: random valid blocks
+        from tests.test_model_loader import _random_k_blocks
+
+        blocks = np.ascontiguousarray(_random_k_blocks(rng, kind, (n, k)))
+    else:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w *= rng.uniform(0.01, 2.0, (n, 1)).astype(np.float32)
+        blocks = np.ascontiguousarray(quants.quantize(w, kind))
     return blocks, quants.dequantize(blocks, kind).reshape(n, k)
+
+
+K_QUANTS = ("Q4_K", "Q6_K")
+PACKED_BLOCK_BYTES = {"Q4_K": 148}  # 6-bit scales and mins unpacked; others as in GGUF
+
+
+def _k(qtype: str, k: int) -> int:
+    """K rounded up to whole blocks of the type (K-quants: super-blocks of 256)."""
+    return -(-k // 256) * 256 if qtype in K_QUANTS else k
 
 
 # Rows of x: one register pass (1-8 with AVX-512), several (9-63), expanded W and a GEMM (64+).
@@ -221,11 +235,15 @@ def test_quant_linear_matches_dequantize_then_matmul(qtype: str, rows: int, n: i
     """The quantized linear against an independent reference: gguf's own quantizer and
     dequantizer (numpy), then a float64 matmul. Equal up to fp32 rounding order."""
     seed = secrets.randbits(32)
+    k = _k(qtype, k)
     blocks, dequantized = _random_blocks(qtype, n, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((rows, k)).astype(np.float32)
     ref = x.astype(np.float64) @ dequantized.astype(np.float64).T
     packed = quant_pack(torch.from_numpy(blocks), QUANT_TYPES[qtype], k)
-    assert packed.numel() == -(-n // 16) * blocks.shape[1] * 16  # same bytes per row
+    row_bytes = blocks.shape[1]
+    if qtype in PACKED_BLOCK_BYTES:
+        row_bytes = k // 256 * PACKED_BLOCK_BYTES[qtype]
+    assert packed.numel() == -(-n // 16) * row_bytes * 16  # the same bytes per row (Q4_K: +3 %)
     out = quant_linear(torch.from_numpy(x), packed, QUANT_TYPES[qtype], n)
     err = float(np.linalg.norm(out.double().numpy() - ref) / np.linalg.norm(ref))
     assert out.shape == (rows, n) and err < 1e-6, f"{qtype}: relative error {err:.2e} (seed {seed})"
@@ -235,7 +253,7 @@ def test_quant_linear_matches_dequantize_then_matmul(qtype: str, rows: int, n: i
 def test_quant_dequant_rows_equals_gguf_dequantizer(qtype: str) -> None:
     """Embedding lookups from the packed layout are bit-equal to gguf's dequantized rows."""
     seed = secrets.randbits(32)
-    n, k = 37, 96
+    n, k = 37, _k(qtype, 96) * 2
     blocks, dequantized = _random_blocks(qtype, n, k, seed)
     packed = quant_pack(torch.from_numpy(blocks), QUANT_TYPES[qtype], k)
     ids = torch.tensor([0, 5, 16, 17, 36, 5])
@@ -250,7 +268,9 @@ def test_quant_ops_reject_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match="must be uint8 \\[rows, 34\\]"):
         quant_pack(blocks, QUANT_TYPES["Q8_0"], 32)
     with pytest.raises(RuntimeError, match="not supported"):
-        quant_pack(blocks, 14, 32)  # Q6_K: not yet
+        quant_pack(blocks, 10, 32)  # Q2_K
+    with pytest.raises(RuntimeError, match="multiple of 256 for ggml type 14"):
+        quant_pack(blocks, QUANT_TYPES["Q6_K"], 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         quant_pack(blocks, 3, 16)
     packed = quant_pack(blocks, 3, 32)

@@ -299,12 +299,18 @@ def _tiny_llama_config_json() -> bytes:
     return json.dumps(cfg).encode()
 
 
-def _random_k_blocks(rng: np.random.Generator, qtype: Q, shape: tuple[int, int]) -> np.ndarray:
-    """Valid K-quant blocks: random quants and scales, finite fp16 super-block scales."""
+def _random_k_blocks(
+    rng: np.random.Generator,
+    qtype: Q,
+    shape: tuple[int, int],
+    scale: tuple[float, float] = (0.001, 0.1),
+) -> np.ndarray:
+    """Valid K-quant blocks: random quants and scales, finite fp16 super-block scales drawn
+    from ``scale``."""
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = shape[0] * shape[1] // block
     raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
-    scale = rng.uniform(0.001, 0.1, (n_blocks, 2)).astype(np.float16).view(np.uint8)
+    scale = rng.uniform(*scale, (n_blocks, 2)).astype(np.float16).view(np.uint8)
     if qtype == Q.Q4_K:
         raw[:, 0:4] = scale  # d, dmin
     else:

@@ -73,18 +73,28 @@ def test_default_model_quantized_matches_hf(hf_reference, long_prompt) -> None:
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
-def _tiny_mixed_gguf(path: Path) -> None:
-    """A 3-layer Llama GGUF with every case the loader distinguishes: fused shards of one type
-    (layer 1), of mixed quantized types (layer 0's q/k/v), partly dense (layer 2's q/k/v), an
-    F16 matrix, Q8_0/Q4_0/Q4_1, a vocabulary not a multiple of 16 rows, an untied output."""
+def _tiny_llama_gguf(
+    path: Path,
+    *,
+    hidden: int,
+    inter: int,
+    head_dim: int,
+    embd: Q,
+    output: Q,
+    layers: dict[int, tuple[Q, Q, Q, Q, Q]],
+) -> None:
+    """A small Llama GGUF (4 query heads, 2 KV heads, a vocabulary of 259: not a multiple of
+    16 rows, an untied output) with the given type per matrix: layers[i] = (q and k, v, o,
+    gate and up, down). K-quant matrices are random valid blocks (gguf cannot quantize to
+    them) with super-block scales small enough for sane activations."""
     from services.model_loader.gguf_tokenizer import _byte_spelling
 
     tokens = [_byte_spelling()[b] for b in range(256)] + ["Ġt", "he", "<|endoftext|>"]
-    vocab, hidden, inter, heads, kv_heads = len(tokens), 64, 96, 4, 2
+    vocab, heads, kv_heads = len(tokens), 4, 2
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((w.add_context_length, 256), (w.add_embedding_length, hidden),
-                       (w.add_feed_forward_length, inter), (w.add_block_count, 3),
+                       (w.add_feed_forward_length, inter), (w.add_block_count, len(layers)),
                        (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
                        (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0)):  # fmt: skip
         add(value)
@@ -96,34 +106,57 @@ def _tiny_mixed_gguf(path: Path) -> None:
     w.add_eos_token_id(258)
 
     def matrix(name: str, rows: int, cols: int, qtype: Q) -> None:
+        if qtype in (Q.Q4_K, Q.Q6_K):
+            raw = _random_k_blocks(rng, qtype, (rows, cols), scale=(1e-4, 1e-3))
+            w.add_tensor(name, raw, raw_dtype=qtype)
+            return
         dense = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
         if qtype == Q.F16:
             w.add_tensor(name, dense.astype(np.float16))
         else:
             w.add_tensor(name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
 
-    matrix("token_embd.weight", vocab, hidden, Q.Q8_0)
-    matrix("output.weight", vocab, hidden, Q.Q4_0)
+    matrix("token_embd.weight", vocab, hidden, embd)
+    matrix("output.weight", vocab, hidden, output)
     w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
-    # (q and k, v, o, gate and up) per layer; down is Q8_0. Layer 2's q/k come dense (F16)
-    # and its v quantized, as llama.cpp's K-quant mixes do (Q6_K falling back to Q8_0).
-    types = {0: (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.F16), 1: (Q.Q4_0, Q.Q4_0, Q.Q4_0, Q.Q4_1),
-             2: (Q.F16, Q.Q8_0, Q.Q4_1, Q.Q8_0)}  # fmt: skip
-    for layer, (qk, v, o, mlp) in types.items():
+    for layer, (qk, v, o, mlp, down) in layers.items():
         p = f"blk.{layer}."
-        matrix(p + "attn_q.weight", heads * 16, hidden, qk)
-        matrix(p + "attn_k.weight", kv_heads * 16, hidden, qk)
-        matrix(p + "attn_v.weight", kv_heads * 16, hidden, v)
-        matrix(p + "attn_output.weight", hidden, heads * 16, o)
+        matrix(p + "attn_q.weight", heads * head_dim, hidden, qk)
+        matrix(p + "attn_k.weight", kv_heads * head_dim, hidden, qk)
+        matrix(p + "attn_v.weight", kv_heads * head_dim, hidden, v)
+        matrix(p + "attn_output.weight", hidden, heads * head_dim, o)
         matrix(p + "ffn_gate.weight", inter, hidden, mlp)
         matrix(p + "ffn_up.weight", inter, hidden, mlp)
-        matrix(p + "ffn_down.weight", hidden, inter, Q.Q8_0)
+        matrix(p + "ffn_down.weight", hidden, inter, down)
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(p + norm + ".weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _tiny_mixed_gguf(path: Path) -> None:
+    """A 3-layer Llama GGUF with every case the loader distinguishes: fused shards of one type
+    (layer 1), of mixed quantized types (layer 0's q/k/v), partly dense (layer 2's q/k/v), an
+    F16 matrix, Q8_0/Q4_0/Q4_1. Layer 2's q/k come dense (F16) and its v quantized, as
+    llama.cpp's K-quant mixes do (Q6_K falling back to Q8_0)."""
+    layers = {0: (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.F16, Q.Q8_0), 1: (Q.Q4_0, Q.Q4_0, Q.Q4_0, Q.Q4_1, Q.Q8_0),
+              2: (Q.F16, Q.Q8_0, Q.Q4_1, Q.Q8_0, Q.Q8_0)}  # fmt: skip
+    _tiny_llama_gguf(
+        path, hidden=64, inter=96, head_dim=16, embd=Q.Q8_0, output=Q.Q4_0, layers=layers
+    )
+
+
+def _tiny_k_quant_gguf(path: Path, *, q6k_v: bool = True) -> None:
+    """Llama.cpp's Q4_K_M pattern: Q4_K matrices, Q6_K for down (and v unless ``q6k_v`` is
+    False) in layer 0 and for the embedding and output (widths multiples of 256, the
+    K-quant super-block)."""
+    v = Q.Q6_K if q6k_v else Q.Q4_K
+    layers = {0: (Q.Q4_K, v, Q.Q4_K, Q.Q4_K, Q.Q6_K), 1: (Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q4_K)}
+    _tiny_llama_gguf(
+        path, hidden=256, inter=512, head_dim=64, embd=Q.Q6_K, output=Q.Q6_K, layers=layers
+    )
 
 
 def test_mixed_types_quantized_equal_dense(tmp_path: Path) -> None:
@@ -150,6 +183,33 @@ def test_mixed_types_quantized_equal_dense(tmp_path: Path) -> None:
     )
 
 
+def test_k_quants_quantized_equal_dense(tmp_path: Path) -> None:
+    """Q4_K and Q6_K matrices (a Q4_K_M-style mix) stay in their blocks, fused q/k/v of mixed
+    K types expanded, and give the dense weights' logits: prompts through the kernels'
+    register passes (5 tokens) and their expand-and-GEMM path (70 tokens)."""
+    path = tmp_path / "k.gguf"
+    _tiny_k_quant_gguf(path)
+    folder = prepare_model(str(path), "gguf", cache_dir=tmp_path / "cache")
+    quant, dense = _load(folder, quantized=True), _load(folder, quantized=False)
+    assert _quantized_modules(quant) == {
+        "model.embed_tokens": "Q6_K",
+        "lm_head": "Q6_K",
+        "model.layers.0.self_attn.o_proj": "Q4_K",
+        "model.layers.0.mlp.gate_up_proj": "Q4_K",
+        "model.layers.0.mlp.down_proj": "Q6_K",
+        "model.layers.1.self_attn.qkv_proj": "Q4_K",
+        "model.layers.1.self_attn.o_proj": "Q4_K",
+        "model.layers.1.mlp.gate_up_proj": "Q4_K",
+        "model.layers.1.mlp.down_proj": "Q4_K",
+    }
+    for n in (5, 70):
+        tokens = np.random.default_rng(n).integers(0, 259, n).tolist()
+        ours, ref = _our_logits(quant, tokens), _our_logits(dense, tokens)
+        scale = float(ref.abs().max())  # logits of tens: fp32 rounding is ~1e-6 of that
+        assert scale > 1.0  # not a degenerate all-zero model
+        torch.testing.assert_close(ours, ref, atol=2e-6 * scale, rtol=0)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K])
 def test_gguf_blocks_narrow(qtype: Q) -> None:
     """A TP rank's slice of a quantized matrix: rows always, columns along whole blocks."""
@@ -168,13 +228,20 @@ def test_gguf_blocks_narrow(qtype: Q) -> None:
     assert blocks.narrow(1, size // 2, size) is None  # cuts a block: the loader expands it
 
 
-def test_fused_decode_layers_equal_python_layers() -> None:
+@pytest.mark.parametrize("model_kind", ["default", "k-quants"])
+def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path) -> None:
     """A decode-only step through ``decode_layers`` (one C++ call for every layer) gives the
-    Python layers' logits and cache contents bit for bit: the same kernels in the same order."""
+    Python layers' logits and cache contents bit for bit: the same kernels in the same order,
+    for the default model (Q4_1) and a Q4_K/Q6_K one."""
     from services.gpu_worker.model_runner import build_attention_metadata
     from tests.test_model import make_kv_cache
 
-    model = _load(prepare_model(None), quantized=True)
+    if model_kind == "default":
+        folder = prepare_model(None)
+    else:
+        _tiny_k_quant_gguf(tmp_path / "k.gguf", q6k_v=False)  # fused q/k/v of one type
+        folder = prepare_model(str(tmp_path / "k.gguf"), "gguf", cache_dir=tmp_path / "cache")
+    model = _load(folder, quantized=True)
     arch, block_size = model.arch, 16
     lens = np.array([20, 37, 50])
     tables = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)  # 4 blocks (64 slots) each

@@ -150,13 +150,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml type ids the quant ops read
+# ggml type ids the quant ops read; K-quants need K a multiple of 256 (their super-block)
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
 def quant_pack(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     """A weight ``W`` [N, K] given as its GGUF blocks (uint8 [N, K / 32 * block bytes] of
     ggml type ``ggml_type``, ``QUANT_TYPES``) in the layout ``quant_linear`` reads: the
-    blocks of 16 rows interleaved, same bits, same size (+ zero rows up to a multiple of
+    blocks of 16 rows interleaved, same bits, same size (Q4_K: 148 bytes per 256 weights
+    instead of 144, its 6-bit scales unpacked to bytes; + zero rows up to a multiple of
     16). Requires ``load_cpu_ops()`` to have returned True."""
     return torch.ops.actorserve_cpu.quant_pack(blocks, ggml_type, k)  # type: ignore[no-any-return]
 

@@ -16,9 +16,21 @@
 // applied once per block. The result equals the dequantized weight's fp32 product up to
 // rounding order, at 4.5 to 8.5 bits of weight read per value.
 //
-// Decode batches are done against the quants directly, kMaxRegRows rows of x per pass over
-// a group (the group stays in L1 between passes); from kGemmRows rows on (prefill) pieces
-// of W are expanded to fp32 once and multiplied by torch's fp32 GEMM.
+// K-quants come in super-blocks of 256 weights: Q4_K has an fp16 d and dmin and eight
+// 32-weight sub-blocks with 6-bit scale and min (w = d sc q - dmin mn, q 4 bits; the low
+// nibbles of 32 bytes are one sub-block, their high nibbles the next); Q6_K has an fp16 d
+// and sixteen 16-weight sub-blocks with an int8 scale (w = d sc (q - 32), q 6 bits split
+// into 4 low bits in ql and 2 high bits in qh). They are interleaved the same way: per
+// group and super-block the 16 rows' d (and dmin), then each scale byte of the 16 rows,
+// then each quant byte of the 16 rows. Q4_K's 12 bytes of packed 6-bit scales and mins
+// are unpacked to one byte each (148 bytes per 256 weights instead of 144, 4.6 bits per
+// weight) so the kernel widens them like quants; Q6_K keeps its 210 bytes. d sc is exact
+// in fp32 (11 x 8 significant bits), so these too equal the dequantized weights' product
+// up to rounding order.
+//
+// Decode batches are done against the quants directly, pass_rows<T>() rows of x per pass
+// over a group (the group stays in L1 between passes); from kGemmRows rows on (prefill)
+// pieces of W are expanded to fp32 once and multiplied by torch's fp32 GEMM.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,7 +49,7 @@ namespace {
 
 constexpr int QK = 32;  // weights per block
 constexpr int G = W;    // rows per interleaved group (one vector lane each)
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 // Rows of x per pass against the quants (their accumulators fill the vector registers),
 // and from how many rows on W is expanded to fp32 pieces for torch's GEMM instead
@@ -103,8 +115,29 @@ inline vi widen(const uint8_t* p) {
 }
 
 template <int64_t T>
-constexpr int64_t block_bytes() {  // GGUF bytes per block of one row
-  return T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : 20;
+constexpr bool is_k_quant() {
+  return T == kQ4_K || T == kQ6_K;
+}
+template <int64_t T>
+constexpr int64_t block_weights() {  // weights per (super-)block of one row
+  return is_k_quant<T>() ? 256 : QK;
+}
+template <int64_t T>
+constexpr int64_t gguf_block_bytes() {  // GGUF bytes per block of one row
+  return T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ4_K ? 144 : 210;
+}
+template <int64_t T>
+constexpr int64_t block_bytes() {  // packed bytes per block of one row (Q4_K: scales unpacked)
+  return T == kQ4_K ? 148 : gguf_block_bytes<T>();
+}
+// Rows of x per pass against a group: as many as their accumulators leave registers for.
+template <int64_t T>
+constexpr int pass_rows() {
+#if defined(__AVX512F__)
+  return T == kQ6_K ? 4 : kMaxRegRows;
+#else
+  return is_k_quant<T>() ? 1 : kMaxRegRows;
+#endif
 }
 template <int64_t T>
 constexpr int64_t quants_at() {  // offset of the quants in an interleaved group block
@@ -172,23 +205,160 @@ void group_rows(float* out, int64_t out_stride, const float* xb, const float* xs
   for (int m = 0; m < M; ++m) std::memcpy(out + m * out_stride, &acc[m], rows * sizeof(float));
 }
 
+inline vf to_float(vi v) { return __builtin_convertvector(v, vf); }
+
+// Q4_K: M rows of x against one group of 16 rows (layout: see the top of the file; per
+// super-block d at 0, dmin at 2G, the sub-blocks' scales at 4G, mins at 12G, quants at 20G).
+template <int M>
+void group_rows_q4k(float* out, int64_t out_stride, const float* xb, const float* xsum, const uint8_t* g,
+                    int64_t k, int rows) {
+#if defined(__AVX512F__)
+  constexpr int NC = M >= 4 ? 1 : 4 / M;  // FMA chains per row of x and sub-block
+#else
+  constexpr int NC = 2;
+#endif
+  constexpr int64_t GB = G * block_bytes<kQ4_K>();
+  vf acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = vf{};
+  for (int64_t sb = 0; sb < k / 256; ++sb, g += GB) {
+    const vf d = halves(g), dmin = halves(g + 2 * G);
+    for (int c = 0; c < 4; ++c) {  // 32 quant bytes: sub-block 2c low nibbles, 2c + 1 high
+      const int64_t s0 = sb * 8 + 2 * c;
+      const float* x0 = xb + s0 * M * QK;
+      const float* x1 = x0 + M * QK;
+      vf lo_s[M][NC], hi_s[M][NC];
+      for (int m = 0; m < M; ++m)
+        for (int i = 0; i < NC; ++i) lo_s[m][i] = hi_s[m][i] = vf{};
+#pragma GCC unroll 8
+      for (int l = 0; l < 32; ++l) {
+        const vi q = widen<false>(g + 20 * G + (c * 32 + l) * G);
+        const vf lo = to_float(q & 15), hi = to_float(q >> 4);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          lo_s[m][l % NC] += lo * x0[m * QK + l];
+          hi_s[m][l % NC] += hi * x1[m * QK + l];
+        }
+      }
+      const vf sc0 = to_float(widen<false>(g + 4 * G + 2 * c * G)) * d;
+      const vf sc1 = to_float(widen<false>(g + 4 * G + (2 * c + 1) * G)) * d;
+      const vf mn0 = to_float(widen<false>(g + 12 * G + 2 * c * G)) * dmin;
+      const vf mn1 = to_float(widen<false>(g + 12 * G + (2 * c + 1) * G)) * dmin;
+      for (int m = 0; m < M; ++m) {
+        vf t0 = lo_s[m][0], t1 = hi_s[m][0];
+        for (int i = 1; i < NC; ++i) {
+          t0 += lo_s[m][i];
+          t1 += hi_s[m][i];
+        }
+        acc[m] += t0 * sc0 - mn0 * xsum[s0 * M + m] + t1 * sc1 - mn1 * xsum[(s0 + 1) * M + m];
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) std::memcpy(out + m * out_stride, &acc[m], rows * sizeof(float));
+}
+
+// Q6_K's quants of one quant position l of 16 rows: elements l, l + 32, l + 64, l + 96 of
+// a half super-block, as q - 32. ql: the half's 64 low-bit bytes, qh: its 32 high-bit bytes.
+inline void q6k_quants(const uint8_t* ql, const uint8_t* qh, int l, vf q[4]) {
+  const vi a = widen<false>(ql + l * G), b = widen<false>(ql + (l + 32) * G), h = widen<false>(qh + l * G);
+  q[0] = to_float(((a & 15) | ((h & 3) << 4)) - 32);
+  q[1] = to_float(((b & 15) | ((h & 12) << 2)) - 32);
+  q[2] = to_float(((a >> 4) | (h & 48)) - 32);
+  q[3] = to_float(((b >> 4) | ((h >> 2) & 48)) - 32);
+}
+
+// Q6_K: per super-block d at 0, the 16 sub-blocks' int8 scales at 2G, ql at 18G, qh at 146G.
+template <int M>
+void group_rows_q6k(float* out, int64_t out_stride, const float* xb, const float* /*xsum*/,
+                    const uint8_t* g, int64_t k, int rows) {
+  constexpr int64_t GB = G * block_bytes<kQ6_K>();
+  vf acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = vf{};
+  for (int64_t sb = 0; sb < k / 256; ++sb, g += GB) {
+    const vf d = halves(g);
+    for (int h = 0; h < 2; ++h) {
+      // Elements 128h + 32u + l (u = 0..3): x block sb * 8 + 4h + u, sub-block 8h + 2u + l / 16.
+      const float* x = xb + (sb * 8 + 4 * h) * M * QK;
+      for (int half = 0; half < 2; ++half) {
+        vf s[4][M];
+        for (int u = 0; u < 4; ++u)
+          for (int m = 0; m < M; ++m) s[u][m] = vf{};
+#pragma GCC unroll 4
+        for (int l = half * 16; l < half * 16 + 16; ++l) {
+          vf q[4];
+          q6k_quants(g + 18 * G + 64 * h * G, g + 146 * G + 32 * h * G, l, q);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u)
+            for (int m = 0; m < M; ++m) s[u][m] += q[u] * x[(u * M + m) * QK + l];
+        }
+        for (int u = 0; u < 4; ++u) {
+          const vf scale = to_float(widen<true>(g + 2 * G + (8 * h + 2 * u + half) * G)) * d;
+          for (int m = 0; m < M; ++m) acc[m] += scale * s[u][m];
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) std::memcpy(out + m * out_stride, &acc[m], rows * sizeof(float));
+}
+
+template <int64_t T, int M>
+void rows_kernel(float* out, int64_t out_stride, const float* x, const float* xsum, const uint8_t* g, int64_t k,
+                 int rows) {
+  if constexpr (M > pass_rows<T>()) {
+    TORCH_CHECK(false, "unreachable");
+  } else if constexpr (T == kQ4_K) {
+    group_rows_q4k<M>(out, out_stride, x, xsum, g, k, rows);
+  } else if constexpr (T == kQ6_K) {
+    group_rows_q6k<M>(out, out_stride, x, xsum, g, k, rows);
+  } else {
+    group_rows<T, M>(out, out_stride, x, xsum, g, k, rows);
+  }
+}
+
 // The group's 16 rows as fp32, k-major: scratch[c * ld + r] = W[r0 + r][c].
 template <int64_t T>
 void expand_group(float* scratch, const uint8_t* g, int64_t k, int64_t ld) {
   constexpr int64_t GB = G * block_bytes<T>();
-  for (int64_t b = 0; b < k / QK; ++b, g += GB) {
-    const vf d = halves(g);
-    vf add = vf{};
-    if constexpr (T == kQ4_1) add = halves(g + 2 * G);
-    if constexpr (T == kQ4_0) add = d * -8.f;
-    float* s = scratch + b * QK * ld;
-    for (int j = 0; j < 16; ++j) {
-      vf lo, hi;
-      quants<T>(g, j, lo, hi);
-      lo = lo * d + add;
-      hi = hi * d + add;
-      std::memcpy(s + j * ld, &lo, sizeof(vf));
-      std::memcpy(s + (j + 16) * ld, &hi, sizeof(vf));
+  const auto put = [&](int64_t col, const vf& v) { std::memcpy(scratch + col * ld, &v, sizeof(vf)); };
+  if constexpr (T == kQ4_K) {
+    for (int64_t sb = 0; sb < k / 256; ++sb, g += GB) {
+      const vf d = halves(g), dmin = halves(g + 2 * G);
+      for (int c = 0; c < 4; ++c) {
+        const vf sc0 = to_float(widen<false>(g + 4 * G + 2 * c * G)) * d;
+        const vf sc1 = to_float(widen<false>(g + 4 * G + (2 * c + 1) * G)) * d;
+        const vf mn0 = to_float(widen<false>(g + 12 * G + 2 * c * G)) * dmin;
+        const vf mn1 = to_float(widen<false>(g + 12 * G + (2 * c + 1) * G)) * dmin;
+        for (int l = 0; l < 32; ++l) {
+          const vi q = widen<false>(g + 20 * G + (c * 32 + l) * G);
+          put(sb * 256 + c * 64 + l, to_float(q & 15) * sc0 - mn0);
+          put(sb * 256 + c * 64 + 32 + l, to_float(q >> 4) * sc1 - mn1);
+        }
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    for (int64_t sb = 0; sb < k / 256; ++sb, g += GB) {
+      const vf d = halves(g);
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          vf q[4];
+          q6k_quants(g + 18 * G + 64 * h * G, g + 146 * G + 32 * h * G, l, q);
+          for (int u = 0; u < 4; ++u) {
+            const vf scale = to_float(widen<true>(g + 2 * G + (8 * h + 2 * u + l / 16) * G)) * d;
+            put(sb * 256 + 128 * h + 32 * u + l, scale * q[u]);
+          }
+        }
+    }
+  } else {
+    for (int64_t b = 0; b < k / QK; ++b, g += GB) {
+      const vf d = halves(g);
+      vf add = vf{};
+      if constexpr (T == kQ4_1) add = halves(g + 2 * G);
+      if constexpr (T == kQ4_0) add = d * -8.f;
+      for (int j = 0; j < 16; ++j) {
+        vf lo, hi;
+        quants<T>(g, j, lo, hi);
+        put(b * QK + j, lo * d + add);
+        put(b * QK + j + 16, hi * d + add);
+      }
     }
   }
 }
@@ -197,29 +367,35 @@ template <int64_t T>
 void group_rows_any(float* out, int64_t out_stride, const float* x, const float* xsum, const uint8_t* g,
                     int64_t k, int rows, int64_t m) {
   switch (m) {
-    case 1: return group_rows<T, 1>(out, out_stride, x, xsum, g, k, rows);
-    case 2: return group_rows<T, 2>(out, out_stride, x, xsum, g, k, rows);
+    case 1: return rows_kernel<T, 1>(out, out_stride, x, xsum, g, k, rows);
+    case 2: return rows_kernel<T, 2>(out, out_stride, x, xsum, g, k, rows);
 #if defined(__AVX512F__)
-    case 3: return group_rows<T, 3>(out, out_stride, x, xsum, g, k, rows);
-    case 4: return group_rows<T, 4>(out, out_stride, x, xsum, g, k, rows);
-    case 5: return group_rows<T, 5>(out, out_stride, x, xsum, g, k, rows);
-    case 6: return group_rows<T, 6>(out, out_stride, x, xsum, g, k, rows);
-    case 7: return group_rows<T, 7>(out, out_stride, x, xsum, g, k, rows);
-    case 8: return group_rows<T, 8>(out, out_stride, x, xsum, g, k, rows);
+    case 3: return rows_kernel<T, 3>(out, out_stride, x, xsum, g, k, rows);
+    case 4: return rows_kernel<T, 4>(out, out_stride, x, xsum, g, k, rows);
+    case 5: return rows_kernel<T, 5>(out, out_stride, x, xsum, g, k, rows);
+    case 6: return rows_kernel<T, 6>(out, out_stride, x, xsum, g, k, rows);
+    case 7: return rows_kernel<T, 7>(out, out_stride, x, xsum, g, k, rows);
+    case 8: return rows_kernel<T, 8>(out, out_stride, x, xsum, g, k, rows);
 #endif
     default: TORCH_CHECK(false, "unreachable");
   }
 }
 
 template <int64_t T>
+constexpr int64_t group_bytes(int64_t k) {  // one group of 16 rows
+  return k / block_weights<T>() * G * block_bytes<T>();
+}
+
+template <int64_t T>
 void quant_linear_type(float* out, const float* x, const uint8_t* w, int64_t m, int64_t n, int64_t k) {
-  constexpr int64_t GB = G * block_bytes<T>();
-  const int64_t nb = k / QK, groups = (n + G - 1) / G, group_bytes = nb * GB;
-  // x block-major per pass of up to kMaxRegRows rows (see group_rows), and its block sums.
-  const int64_t passes = (m + kMaxRegRows - 1) / kMaxRegRows;
+  constexpr int64_t P = pass_rows<T>();
+  const int64_t nb = k / QK, groups = (n + G - 1) / G, gbytes = group_bytes<T>(k);
+  // x block-major (32 values a block) per pass of up to P rows (see group_rows), and its
+  // block sums.
+  const int64_t passes = (m + P - 1) / P;
   std::vector<float> xt(m * k), xsum(m * nb);
   for (int64_t p = 0; p < passes; ++p) {
-    const int64_t r0 = p * kMaxRegRows, rows = std::min<int64_t>(kMaxRegRows, m - r0);
+    const int64_t r0 = p * P, rows = std::min<int64_t>(P, m - r0);
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t r = 0; r < rows; ++r) {
         const float* src = x + (r0 + r) * k + b * QK;
@@ -229,13 +405,13 @@ void quant_linear_type(float* out, const float* x, const uint8_t* w, int64_t m, 
         xsum[r0 * nb + b * rows + r] = sum;
       }
   }
-  // Rows of x in passes of kMaxRegRows, each pass over the same group (still in L1).
+  // Rows of x in passes of P, each pass over the same group (still in L1).
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t gi = begin; gi < end; ++gi) {
       const int rows = static_cast<int>(std::min<int64_t>(G, n - gi * G));
-      for (int64_t i = 0; i < m; i += kMaxRegRows)
-        group_rows_any<T>(out + i * n + gi * G, n, xt.data() + i * k, xsum.data() + i * nb,
-                          w + gi * group_bytes, k, rows, std::min<int64_t>(kMaxRegRows, m - i));
+      for (int64_t i = 0; i < m; i += P)
+        group_rows_any<T>(out + i * n + gi * G, n, xt.data() + i * k, xsum.data() + i * nb, w + gi * gbytes, k,
+                          rows, std::min<int64_t>(P, m - i));
     }
   });
 }
@@ -244,15 +420,14 @@ void quant_linear_type(float* out, const float* x, const uint8_t* w, int64_t m, 
 // about kGemmChunkBytes and multiply each with torch's fp32 GEMM.
 template <int64_t T>
 void quant_linear_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n, int64_t k) {
-  constexpr int64_t GB = G * block_bytes<T>();
-  const int64_t groups = (n + G - 1) / G, group_bytes = k / QK * GB;
+  const int64_t groups = (n + G - 1) / G, gbytes = group_bytes<T>(k);
   const int64_t chunk = std::max<int64_t>(1, std::min(groups, kGemmChunkBytes / (k * G * 4)));
   for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
     const int64_t cg = std::min(chunk, groups - g0), ld = cg * G, cols = std::min(ld, n - g0 * G);
     at::Tensor wt = at::empty({k, ld}, x.options());
     float* wp = wt.data_ptr<float>();
     at::parallel_for(0, cg, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t gi = begin; gi < end; ++gi) expand_group<T>(wp + gi * G, w + (g0 + gi) * group_bytes, k, ld);
+      for (int64_t gi = begin; gi < end; ++gi) expand_group<T>(wp + gi * G, w + (g0 + gi) * gbytes, k, ld);
     });
     if (ld == n) {  // one piece, no padded rows
       at::mm_out(out, x, wt);
@@ -262,23 +437,34 @@ void quant_linear_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* w, i
   }
 }
 
-int64_t checked_block_bytes(int64_t type) {
+// Calls fn(std::integral_constant<int64_t, T>{}) for a supported ggml type, else fails.
+template <typename Fn>
+auto with_type(int64_t type, Fn&& fn) {
+  using std::integral_constant;
   switch (type) {
-    case kQ8_0: return block_bytes<kQ8_0>();
-    case kQ4_0: return block_bytes<kQ4_0>();
-    case kQ4_1: return block_bytes<kQ4_1>();
-    default: TORCH_CHECK(false, "ggml type ", type, " is not supported here (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+    case kQ8_0: return fn(integral_constant<int64_t, kQ8_0>{});
+    case kQ4_0: return fn(integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return fn(integral_constant<int64_t, kQ4_1>{});
+    case kQ4_K: return fn(integral_constant<int64_t, kQ4_K>{});
+    case kQ6_K: return fn(integral_constant<int64_t, kQ6_K>{});
+    default:
+      TORCH_CHECK(false, "ggml type ", type,
+                  " is not supported here (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
   }
 }
 
-// Shape checks shared by the ops: packed is [ceil(n / 16), k / 32 * 16 * block bytes].
+// Shape checks shared by the ops: packed is [ceil(n / 16), k / block weights * 16 * block bytes].
 void check_packed(const at::Tensor& packed, int64_t type, int64_t n, int64_t k) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed weight: contiguous uint8 [groups, bytes] from quant_pack");
-  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of 32, got ", k);
-  TORCH_CHECK(n > 0 && packed.size(0) == (n + G - 1) / G && packed.size(1) == k / QK * G * checked_block_bytes(type),
-              "packed weight of ", n, " x ", k, " in type ", type, " must be [", (n + G - 1) / G, ", ",
-              k / QK * G * checked_block_bytes(type), "], got ", packed.sizes());
+  with_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    TORCH_CHECK(k > 0 && k % block_weights<T>() == 0, "K must be a positive multiple of ", block_weights<T>(),
+                " for ggml type ", T, ", got ", k);
+    TORCH_CHECK(n > 0 && packed.size(0) == (n + G - 1) / G && packed.size(1) == group_bytes<T>(k), "packed weight of ",
+                n, " x ", k, " in type ", T, " must be [", (n + G - 1) / G, ", ", group_bytes<T>(k), "], got ",
+                packed.sizes());
+  });
 }
 
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t n) {
@@ -288,70 +474,107 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   check_packed(packed, type, n, k);
   TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_linear: out must be [", m, ", ", n, "]");
   if (m == 0) return;
-  const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  if (m >= kGemmRows) {
-    switch (type) {
-      case kQ8_0: return quant_linear_gemm<kQ8_0>(out, x, wp, n, k);
-      case kQ4_0: return quant_linear_gemm<kQ4_0>(out, x, wp, n, k);
-      case kQ4_1: return quant_linear_gemm<kQ4_1>(out, x, wp, n, k);
+  with_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    if (m >= kGemmRows) {
+      quant_linear_gemm<T>(out, x, wp, n, k);
+    } else {
+      quant_linear_type<T>(out.data_ptr<float>(), x.data_ptr<float>(), wp, m, n, k);
     }
-  }
-  switch (type) {
-    case kQ8_0: return quant_linear_type<kQ8_0>(o, xp, wp, m, n, k);
-    case kQ4_0: return quant_linear_type<kQ4_0>(o, xp, wp, m, n, k);
-    case kQ4_1: return quant_linear_type<kQ4_1>(o, xp, wp, m, n, k);
+  });
+}
+
+// One GGUF block of one row into its place in an interleaved group block (row r of 16).
+template <int64_t T>
+void pack_block(uint8_t* gb, const uint8_t* blk, int r) {
+  if constexpr (T == kQ4_K) {  // d, dmin, scales[12] (6-bit scales and mins), qs[128]
+    std::memcpy(gb + 2 * r, blk, 2);
+    std::memcpy(gb + 2 * G + 2 * r, blk + 2, 2);
+    const uint8_t* q = blk + 4;
+    for (int j = 0; j < 8; ++j) {  // ggml's get_scale_min_k4
+      const uint8_t sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+      const uint8_t mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+      gb[4 * G + j * G + r] = sc;
+      gb[12 * G + j * G + r] = mn;
+    }
+    for (int j = 0; j < 128; ++j) gb[20 * G + j * G + r] = blk[16 + j];
+  } else if constexpr (T == kQ6_K) {  // ql[128], qh[64], scales[16], d
+    std::memcpy(gb + 2 * r, blk + 208, 2);
+    for (int j = 0; j < 16; ++j) gb[2 * G + j * G + r] = blk[192 + j];
+    for (int j = 0; j < 128; ++j) gb[18 * G + j * G + r] = blk[j];
+    for (int j = 0; j < 64; ++j) gb[146 * G + j * G + r] = blk[128 + j];
+  } else {  // d, (Q4_1: m), quants
+    constexpr int64_t scales = T == kQ4_1 ? 2 : 1, qbytes = block_bytes<T>() - 2 * scales;
+    for (int64_t f = 0; f < scales; ++f) std::memcpy(gb + f * 2 * G + 2 * r, blk + 2 * f, 2);
+    for (int64_t j = 0; j < qbytes; ++j) gb[2 * scales * G + j * G + r] = blk[2 * scales + j];
   }
 }
 
-// GGUF rows [n, k / 32 * block bytes] -> interleaved groups (the last group zero-padded).
+// GGUF rows [n, k / block weights * GGUF block bytes] -> interleaved groups (the last
+// group zero-padded).
 at::Tensor quant_pack(const at::Tensor& blocks, int64_t type, int64_t k) {
-  const int64_t bb = checked_block_bytes(type);
-  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of 32, got ", k);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == k / QK * bb,
-              "GGUF blocks of K = ", k, " must be uint8 [rows, ", k / QK * bb, "], got ", blocks.sizes());
-  const at::Tensor src = blocks.contiguous();
-  const int64_t n = src.size(0), nb = k / QK, groups = (n + G - 1) / G;
-  at::Tensor packed = at::zeros({groups, nb * G * bb}, src.options());
-  const uint8_t* s = src.data_ptr<uint8_t>();
-  uint8_t* p = packed.data_ptr<uint8_t>();
-  const int64_t scales = type == kQ4_1 ? 2 : 1, qbytes = bb - 2 * scales;
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t gi = begin; gi < end; ++gi) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* gb = p + (gi * nb + b) * G * bb;
-        for (int r = 0; r < G && gi * G + r < n; ++r) {
-          const uint8_t* blk = s + (gi * G + r) * nb * bb + b * bb;
-          for (int64_t f = 0; f < scales; ++f) std::memcpy(gb + f * 2 * G + 2 * r, blk + 2 * f, 2);
-          for (int64_t j = 0; j < qbytes; ++j) gb[2 * scales * G + j * G + r] = blk[2 * scales + j];
-        }
-      }
-    }
+  return with_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value, BW = block_weights<T>(), bb = gguf_block_bytes<T>();
+    TORCH_CHECK(k > 0 && k % BW == 0, "K must be a positive multiple of ", BW, " for ggml type ", T, ", got ", k);
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == k / BW * bb,
+                "GGUF blocks of K = ", k, " must be uint8 [rows, ", k / BW * bb, "], got ", blocks.sizes());
+    const at::Tensor src = blocks.contiguous();
+    const int64_t n = src.size(0), nb = k / BW, groups = (n + G - 1) / G;
+    at::Tensor packed = at::zeros({groups, group_bytes<T>(k)}, src.options());
+    const uint8_t* s = src.data_ptr<uint8_t>();
+    uint8_t* p = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t gi = begin; gi < end; ++gi)
+        for (int64_t b = 0; b < nb; ++b)
+          for (int r = 0; r < G && gi * G + r < n; ++r)
+            pack_block<T>(p + (gi * nb + b) * G * block_bytes<T>(), s + (gi * G + r) * nb * bb + b * bb, r);
+    });
+    return packed;
   });
-  return packed;
 }
 
 // Rows `ids` of the packed weight as fp32 [len(ids), k] (embedding lookups).
 template <int64_t T>
 void dequant_rows_type(float* out, const uint8_t* w, const int64_t* ids, int64_t count, int64_t k) {
   constexpr int64_t GB = G * block_bytes<T>();
-  const int64_t nb = k / QK;
+  const int64_t nb = k / block_weights<T>();
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = ids[i] % G;
       const uint8_t* g = w + ids[i] / G * nb * GB;
       float* o = out + i * k;
-      for (int64_t b = 0; b < nb; ++b, g += GB, o += QK) {
+      for (int64_t b = 0; b < nb; ++b, g += GB, o += block_weights<T>()) {
         const float d = half_at(g + 2 * r);
-        const uint8_t* q = g + quants_at<T>() + r;
-        if constexpr (T == kQ8_0) {
-          for (int j = 0; j < QK; ++j) o[j] = d * static_cast<int8_t>(q[j * G]);
+        if constexpr (T == kQ4_K) {
+          const float dmin = half_at(g + 2 * G + 2 * r);
+          for (int c = 0; c < 4; ++c) {
+            const float d0 = d * g[4 * G + 2 * c * G + r], d1 = d * g[4 * G + (2 * c + 1) * G + r];
+            const float m0 = dmin * g[12 * G + 2 * c * G + r], m1 = dmin * g[12 * G + (2 * c + 1) * G + r];
+            for (int l = 0; l < 32; ++l) {
+              const uint8_t q = g[20 * G + (c * 32 + l) * G + r];
+              o[c * 64 + l] = d0 * (q & 15) - m0;
+              o[c * 64 + 32 + l] = d1 * (q >> 4) - m1;
+            }
+          }
+        } else if constexpr (T == kQ6_K) {
+          for (int e = 0; e < 256; ++e) {
+            const int h = e / 128, u = e % 128 / 32, l = e % 32;
+            const uint8_t a = g[18 * G + (64 * h + l + (u & 1) * 32) * G + r];
+            const uint8_t hb = g[146 * G + (32 * h + l) * G + r];
+            const int q = ((u < 2 ? a & 15 : a >> 4) | (((hb >> (2 * u)) & 3) << 4)) - 32;
+            o[e] = d * static_cast<int8_t>(g[2 * G + (e / 16) * G + r]) * q;
+          }
         } else {
-          const float add = T == kQ4_1 ? half_at(g + 2 * G + 2 * r) : -8.f * d;
-          for (int j = 0; j < 16; ++j) {
-            o[j] = (q[j * G] & 15) * d + add;
-            o[j + 16] = (q[j * G] >> 4) * d + add;
+          const uint8_t* q = g + quants_at<T>() + r;
+          if constexpr (T == kQ8_0) {
+            for (int j = 0; j < QK; ++j) o[j] = d * static_cast<int8_t>(q[j * G]);
+          } else {
+            const float add = T == kQ4_1 ? half_at(g + 2 * G + 2 * r) : -8.f * d;
+            for (int j = 0; j < 16; ++j) {
+              o[j] = (q[j * G] & 15) * d + add;
+              o[j + 16] = (q[j * G] >> 4) * d + add;
+            }
           }
         }
       }
@@ -368,11 +591,7 @@ at::Tensor quant_dequant_rows(const at::Tensor& packed, int64_t type, int64_t n,
   at::Tensor out = at::empty({idc.size(0), k}, packed.options().dtype(at::kFloat));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  switch (type) {
-    case kQ8_0: dequant_rows_type<kQ8_0>(o, wp, ip, idc.size(0), k); break;
-    case kQ4_0: dequant_rows_type<kQ4_0>(o, wp, ip, idc.size(0), k); break;
-    case kQ4_1: dequant_rows_type<kQ4_1>(o, wp, ip, idc.size(0), k); break;
-  }
+  with_type(type, [&](auto t) { dequant_rows_type<decltype(t)::value>(o, wp, ip, idc.size(0), k); });
   return out;
 }
 

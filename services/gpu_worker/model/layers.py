@@ -91,11 +91,11 @@ class QuantWeight:
     @classmethod
     def pack(cls, blocks: GGUFBlocks) -> QuantWeight | None:
         """``blocks`` packed for the CPU kernels; None when they cannot read them (a type
-        they lack, a width not a multiple of 32, no C++ ops)."""
+        they lack, a width not a whole number of blocks, no C++ ops)."""
         n, k = blocks.shape
         if (
             blocks.ggml_type not in QUANT_TYPES.values()
-            or k % 32
+            or k % blocks.block_size
             or n == 0
             or _cpu_op("quant_pack") is None
         ):
