@@ -41,6 +41,7 @@ DTYPES = {
 }  # fmt: skip
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
+CPU_ACTIVATION_QUANTS = ("none", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -69,6 +70,15 @@ class ModelConfig:
             "none: every weight expanded to --dtype",
             choices=QUANTIZATIONS,
             aliases=("-q",),
+        ),
+    )
+    cpu_activation_quant: str = field(
+        default="none",
+        metadata=flag(
+            "int8: the quantized matrices (Q4_0/Q4_1/Q8_0) multiply activations rounded to "
+            "int8 per block of 32, on AVX-512 VNNI (llama.cpp's trade: ~2x faster linears, "
+            "not exact; see bench/perplexity.py); none: fp32 activations, exact",
+            choices=CPU_ACTIVATION_QUANTS,
         ),
     )
     seed: int = field(default=0, metadata=flag("seed of the sampler's shared generator"))

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from kernels.cpu import (
+    INT8_ACTIVATIONS,
     QUANT_TYPES,
+    int8_activations_supported,
     load_cpu_ops,
     paged_attention_rows,
     quant_dequant_rows,
@@ -261,6 +263,47 @@ def test_quant_dequant_rows_equals_gguf_dequantizer(qtype: str) -> None:
     assert torch.equal(rows, torch.from_numpy(dequantized)[ids]), f"seed {seed}"
     with pytest.raises(RuntimeError, match="out of"):
         quant_dequant_rows(packed, QUANT_TYPES[qtype], n, k, torch.tensor([n]))
+
+
+def _int8_rounded(x: np.ndarray) -> np.ndarray:
+    """x as the int8-activation kernels see it: each block of 32 rounded to int8 steps of
+    max|x| / 127 (nearest, ties to even), in float64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    d = (np.abs(xb).max(axis=2) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.rint(xb * inv[:, :, None])
+    return (q * d[:, :, None]).reshape(m, k).astype(np.float64)
+
+
+@pytest.mark.skipif(not int8_activations_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
+def test_quant_linear_int8_activations(qtype: str, rows: int) -> None:
+    """--cpu-activation-quant int8: equal to the dequantized weights times x rounded to int8
+    per block (an independent numpy model of the rounding), and within ~1 % of exact."""
+    seed = secrets.randbits(32)
+    n, k = 200, 576
+    blocks, dequantized = _random_blocks(qtype, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((rows, k)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    kind = QUANT_TYPES[qtype] | INT8_ACTIVATIONS
+    packed = quant_pack(torch.from_numpy(blocks), kind, k)
+    out = quant_linear(torch.from_numpy(x), packed, kind, n).double().numpy()
+    w = dequantized.astype(np.float64).T
+    ref, exact = _int8_rounded(x) @ w, x.astype(np.float64) @ w
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    lossy = np.linalg.norm(out - exact) / np.linalg.norm(exact)
+    assert err < 1e-6 and 1e-4 < lossy < 2e-2, f"{qtype}: {err:.2e} / {lossy:.2e} (seed {seed})"
+
+
+@pytest.mark.skipif(not int8_activations_supported(), reason="needs AVX-512 VNNI")
+def test_int8_activations_reject_other_types() -> None:
+    with pytest.raises(RuntimeError, match="int8 activations: ggml type 12 is not supported"):
+        quant_pack(torch.zeros(16, 144, dtype=torch.uint8), 12 | INT8_ACTIVATIONS, 256)
+    packed = quant_pack(torch.zeros(16, 18, dtype=torch.uint8), 2 | INT8_ACTIVATIONS, 32)
+    with pytest.raises(RuntimeError, match="not supported"):  # lookups read the exact layout
+        quant_dequant_rows(packed, 2 | INT8_ACTIVATIONS, 16, 32, torch.tensor([0]))
 
 
 def test_quant_ops_reject_bad_shapes() -> None:

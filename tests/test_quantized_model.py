@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kernels.cpu import QUANT_TYPES, load_cpu_ops
+from kernels.cpu import INT8_ACTIVATIONS, QUANT_TYPES, int8_activations_supported, load_cpu_ops
 from services.config import ModelArchConfig
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from services.gpu_worker.model.layers import Linear, VocabParallelEmbedding
@@ -30,9 +30,10 @@ from tests.test_model_loader import _random_k_blocks
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="the C++ CPU kernels did not build")
 
 
-def _load(folder: Path, quantized: bool) -> LlamaForCausalLM:
+def _load(folder: Path, quantized: bool, int8: bool = False) -> LlamaForCausalLM:
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(ModelArchConfig.from_hf_config(cfg), TorchAttentionBackend).eval()
+    model.int8_activations = int8
     source = gguf_source(folder)
     assert source is not None
     if quantized:
@@ -228,20 +229,22 @@ def test_gguf_blocks_narrow(qtype: Q) -> None:
     assert blocks.narrow(1, size // 2, size) is None  # cuts a block: the loader expands it
 
 
-@pytest.mark.parametrize("model_kind", ["default", "k-quants"])
+@pytest.mark.parametrize("model_kind", ["default", "default-int8", "k-quants"])
 def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path) -> None:
     """A decode-only step through ``decode_layers`` (one C++ call for every layer) gives the
     Python layers' logits and cache contents bit for bit: the same kernels in the same order,
-    for the default model (Q4_1) and a Q4_K/Q6_K one."""
+    for the default model (Q4_1, with fp32 or int8 activations) and a Q4_K/Q6_K one."""
     from services.gpu_worker.model_runner import build_attention_metadata
     from tests.test_model import make_kv_cache
 
-    if model_kind == "default":
+    if model_kind == "default-int8" and not int8_activations_supported():
+        pytest.skip("needs AVX-512 VNNI")
+    if model_kind.startswith("default"):
         folder = prepare_model(None)
     else:
         _tiny_k_quant_gguf(tmp_path / "k.gguf", q6k_v=False)  # fused q/k/v of one type
         folder = prepare_model(str(tmp_path / "k.gguf"), "gguf", cache_dir=tmp_path / "cache")
-    model = _load(folder, quantized=True)
+    model = _load(folder, quantized=True, int8=model_kind == "default-int8")
     arch, block_size = model.arch, 16
     lens = np.array([20, 37, 50])
     tables = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)  # 4 blocks (64 slots) each
@@ -310,3 +313,29 @@ def test_fused_decode_layers_refuses_a_bad_slot() -> None:
             caches, caches, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([32]),
             torch.tensor([1]), cos, cos, fused.num_heads, fused.num_kv_heads, fused.eps, fused.scale,
         )  # fmt: skip
+
+
+@pytest.mark.skipif(not int8_activations_supported(), reason="needs AVX-512 VNNI")
+def test_int8_activations_default_model(long_prompt) -> None:
+    """``--cpu-activation-quant int8``: every quantized linear packed for int8 activations
+    (the embedding lookups stay exact); logits near the exact ones, the same greedy choice
+    at nearly every position. Not exact by design: bench/perplexity.py measures the cost."""
+    folder = prepare_model(None)
+    exact, model = _load(folder, quantized=True), _load(folder, quantized=True, int8=True)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(
+        m.quant is not None and m.quant.ggml_type & INT8_ACTIVATIONS for m in linears
+    )
+    assert not model.model.embed_tokens.quant.ggml_type & INT8_ACTIVATIONS
+    ours, ref = _our_logits(model, long_prompt), _our_logits(exact, long_prompt)
+    rel = float((ours - ref).norm() / ref.norm())
+    same = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    assert 1e-5 < rel < 0.05 and same > 0.9, (rel, same)
+
+
+def test_int8_activations_need_quantized_weights() -> None:
+    from services.engine import LLM
+    from services.model_loader import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="applies to a GGUF model's quantized matrices"):
+        LLM(quantization="none", cpu_activation_quant="int8", max_model_len=256)

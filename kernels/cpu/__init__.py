@@ -154,6 +154,24 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
+# ORed into a Q4_0/Q4_1/Q8_0 type id: the layout and op for int8 activations (AVX-512 VNNI,
+# x rounded to int8 per block of 32; not exact). ``quant_pack`` and ``quant_linear`` take it.
+INT8_ACTIVATIONS = 256
+
+
+@functools.cache
+def int8_activations_supported() -> bool:
+    """Whether this CPU and build run ``quant_linear`` with ``INT8_ACTIVATIONS``."""
+    if not load_cpu_ops():
+        return False
+    try:
+        packed = quant_pack(torch.zeros(16, 18, dtype=torch.uint8), 2 | INT8_ACTIVATIONS, 32)
+        quant_linear(torch.zeros(1, 32), packed, 2 | INT8_ACTIVATIONS, 16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def quant_pack(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     """A weight ``W`` [N, K] given as its GGUF blocks (uint8 [N, K / 32 * block bytes] of
     ggml type ``ggml_type``, ``QUANT_TYPES``) in the layout ``quant_linear`` reads: the

@@ -437,6 +437,157 @@ void quant_linear_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* w, i
   }
 }
 
+// ---- int8 activations (--cpu-activation-quant int8: opt-in, not exact; llama.cpp's trade)
+//
+// A packed type id ORed with kInt8Activations: the same blocks in the same bytes, laid out
+// for AVX-512 VNNI (vpdpbusd multiplies 4 unsigned bytes by 4 signed ones per int32 lane):
+// per group block the 16 rows' d (and m), then 64-byte chunks, chunk t holding 4 bytes of
+// each row: Q4 quant bytes 4t..4t+3 (low nibbles: elements 4t..4t+3, high: 16+4t..), Q8_0
+// elements 4t..4t+3 plus 128 (unsigned). x is rounded per block of 32 to int8 with its own
+// scale (dx = max|x| / 127, q = nearest(x / dx)), the block's dot product is exact in int32,
+// and per block y += d dx (q_w . q_x) (- 8 or - 128 dx sum(q_x), + m dx sum(q_x)).
+constexpr int64_t kInt8Activations = 256;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int64_t T>
+void pack_block_vnni(uint8_t* gb, const uint8_t* blk, int r) {
+  constexpr int64_t scales = T == kQ4_1 ? 2 : 1, qbytes = T == kQ8_0 ? 32 : 16;
+  for (int64_t f = 0; f < scales; ++f) std::memcpy(gb + f * 2 * G + 2 * r, blk + 2 * f, 2);
+  uint8_t* dst = gb + 2 * scales * G;
+  for (int64_t j = 0; j < qbytes; ++j) {
+    const uint8_t q = blk[2 * scales + j];
+    dst[j / 4 * 64 + r * 4 + j % 4] = T == kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
+  }
+}
+
+// Rows [r0, r0 + rows) of x [m, k] rounded to int8 per block of 32, block-major as the
+// fp32 passes lay x out: q[(b * rows + r) * 32 + j], d and s (sum of q) at b * rows + r.
+void quantize_rows_int8(const float* x, int64_t k, int64_t rows, int8_t* q, float* d, int32_t* s) {
+  const int64_t nb = k / QK;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* src = x + r * k + b * QK;
+      const __m512 a = _mm512_loadu_ps(src), c = _mm512_loadu_ps(src + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      const float dx = amax / 127.f, id = dx != 0.f ? 1.f / dx : 0.f;
+      // Round to nearest (even on ties: the default MXCSR mode), |q| <= 127.
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
+      int8_t* dst = q + (b * rows + r) * QK;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qc));
+      d[b * rows + r] = dx;
+      s[b * rows + r] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+    }
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int64_t T, int M>
+void group_rows_vnni(float* out, int64_t out_stride, const int8_t* xq, const float* xd, const int32_t* xs,
+                     const uint8_t* g, int64_t nb, int rows) {
+  constexpr int64_t GB = G * block_bytes<T>(), Q = T == kQ4_1 ? 4 * G : 2 * G;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, g += GB, xq += M * QK) {
+    __m512i isum[M];
+    for (int m = 0; m < M; ++m) isum[m] = _mm512_setzero_si512();
+    if constexpr (T == kQ8_0) {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = _mm512_loadu_si512(g + Q + t * 64);
+        for (int m = 0; m < M; ++m) isum[m] = _mm512_dpbusd_epi32(isum[m], w, broadcast4(xq + m * QK + 4 * t));
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512i w = _mm512_loadu_si512(g + Q + t * 64);
+        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        for (int m = 0; m < M; ++m) {
+          isum[m] = _mm512_dpbusd_epi32(isum[m], lo, broadcast4(xq + m * QK + 4 * t));
+          isum[m] = _mm512_dpbusd_epi32(isum[m], hi, broadcast4(xq + m * QK + 16 + 4 * t));
+        }
+      }
+    }
+    const vf dv = halves(g);
+    __m512 dw;
+    std::memcpy(&dw, &dv, sizeof(dw));
+    for (int m = 0; m < M; ++m) {
+      const float dx = xd[b * M + m];
+      const int32_t sx = xs[b * M + m];
+      __m512i i = isum[m];
+      if constexpr (T == kQ4_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(8 * sx));
+      if constexpr (T == kQ8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(128 * sx));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[m]);
+      if constexpr (T == kQ4_1) {
+        const vf mv = halves(g + 2 * G);
+        __m512 mw;
+        std::memcpy(&mw, &mv, sizeof(mw));
+        acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * static_cast<float>(sx)), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float tmp[G];
+    _mm512_storeu_ps(tmp, acc[m]);
+    std::memcpy(out + m * out_stride, tmp, rows * sizeof(float));
+  }
+}
+
+template <int64_t T>
+void quant_linear_vnni(float* out, const float* x, const uint8_t* w, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t P = kMaxRegRows;
+  const int64_t nb = k / QK, groups = (n + G - 1) / G, gbytes = group_bytes<T>(k);
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * nb);
+  std::vector<int32_t> xs(m * nb);
+  at::parallel_for(0, (m + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t r0 = p * P, rows = std::min<int64_t>(P, m - r0);
+      quantize_rows_int8(x + r0 * k, k, rows, xq.data() + r0 * k, xd.data() + r0 * nb, xs.data() + r0 * nb);
+    }
+  });
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const int rows = static_cast<int>(std::min<int64_t>(G, n - gi * G));
+      for (int64_t i = 0; i < m; i += P) {
+        float* o = out + i * n + gi * G;
+        const int8_t* q = xq.data() + i * k;
+        const float* d = xd.data() + i * nb;
+        const int32_t* s = xs.data() + i * nb;
+        const uint8_t* wg = w + gi * gbytes;
+        switch (std::min<int64_t>(P, m - i)) {
+          case 1: group_rows_vnni<T, 1>(o, n, q, d, s, wg, nb, rows); break;
+          case 2: group_rows_vnni<T, 2>(o, n, q, d, s, wg, nb, rows); break;
+          case 3: group_rows_vnni<T, 3>(o, n, q, d, s, wg, nb, rows); break;
+          case 4: group_rows_vnni<T, 4>(o, n, q, d, s, wg, nb, rows); break;
+          case 5: group_rows_vnni<T, 5>(o, n, q, d, s, wg, nb, rows); break;
+          case 6: group_rows_vnni<T, 6>(o, n, q, d, s, wg, nb, rows); break;
+          case 7: group_rows_vnni<T, 7>(o, n, q, d, s, wg, nb, rows); break;
+          default: group_rows_vnni<T, 8>(o, n, q, d, s, wg, nb, rows); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The base type of an int8-activation id, after checking this build can run it.
+int64_t int8_base_type(int64_t type) {
+  const int64_t base = type & ~kInt8Activations;
+  TORCH_CHECK(base == kQ4_0 || base == kQ4_1 || base == kQ8_0, "int8 activations: ggml type ", base,
+              " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  TORCH_CHECK(false, "int8 activations need a CPU with AVX-512 VNNI (and this build for it)");
+#endif
+  return base;
+}
+
 // Calls fn(std::integral_constant<int64_t, T>{}) for a supported ggml type, else fails.
 template <typename Fn>
 auto with_type(int64_t type, Fn&& fn) {
@@ -457,6 +608,7 @@ auto with_type(int64_t type, Fn&& fn) {
 void check_packed(const at::Tensor& packed, int64_t type, int64_t n, int64_t k) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed weight: contiguous uint8 [groups, bytes] from quant_pack");
+  if (type & kInt8Activations) type = int8_base_type(type);  // the same bytes as the base type
   with_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     TORCH_CHECK(k > 0 && k % block_weights<T>() == 0, "K must be a positive multiple of ", block_weights<T>(),
@@ -475,6 +627,18 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_linear: out must be [", m, ", ", n, "]");
   if (m == 0) return;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (type & kInt8Activations) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const float* xp = x.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    switch (type & ~kInt8Activations) {
+      case kQ8_0: return quant_linear_vnni<kQ8_0>(o, xp, wp, m, n, k);
+      case kQ4_0: return quant_linear_vnni<kQ4_0>(o, xp, wp, m, n, k);
+      case kQ4_1: return quant_linear_vnni<kQ4_1>(o, xp, wp, m, n, k);
+    }
+#endif
+    return;  // unreachable: check_packed checked the type
+  }
   with_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     if (m >= kGemmRows) {
@@ -511,9 +675,21 @@ void pack_block(uint8_t* gb, const uint8_t* blk, int r) {
   }
 }
 
+template <int64_t T>
+void pack_one(bool int8, uint8_t* gb, const uint8_t* blk, int r) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ8_0) {
+    if (int8) return pack_block_vnni<T>(gb, blk, r);
+  }
+#endif
+  pack_block<T>(gb, blk, r);
+}
+
 // GGUF rows [n, k / block weights * GGUF block bytes] -> interleaved groups (the last
 // group zero-padded).
 at::Tensor quant_pack(const at::Tensor& blocks, int64_t type, int64_t k) {
+  const bool int8 = type & kInt8Activations;
+  if (int8) type = int8_base_type(type);
   return with_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value, BW = block_weights<T>(), bb = gguf_block_bytes<T>();
     TORCH_CHECK(k > 0 && k % BW == 0, "K must be a positive multiple of ", BW, " for ggml type ", T, ", got ", k);
@@ -528,7 +704,7 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t type, int64_t k) {
       for (int64_t gi = begin; gi < end; ++gi)
         for (int64_t b = 0; b < nb; ++b)
           for (int r = 0; r < G && gi * G + r < n; ++r)
-            pack_block<T>(p + (gi * nb + b) * G * block_bytes<T>(), s + (gi * G + r) * nb * bb + b * bb, r);
+            pack_one<T>(int8, p + (gi * nb + b) * G * block_bytes<T>(), s + (gi * G + r) * nb * bb + b * bb, r);
     });
     return packed;
   });

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import QUANT_TYPES
+from kernels.cpu import INT8_ACTIVATIONS, QUANT_TYPES
 from services.gpu_worker.distributed import ParallelState
 from services.model_loader.gguf_tensors import GGUFBlocks
 
@@ -78,6 +78,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+INT8_ACTIVATION_TYPES = {QUANT_TYPES[t] for t in ("Q4_0", "Q4_1", "Q8_0")}
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A matrix [n, k] kept quantized: GGUF blocks of ``ggml_type`` packed by
@@ -89,9 +92,10 @@ class QuantWeight:
     k: int
 
     @classmethod
-    def pack(cls, blocks: GGUFBlocks) -> QuantWeight | None:
+    def pack(cls, blocks: GGUFBlocks, int8_activations: bool = False) -> QuantWeight | None:
         """``blocks`` packed for the CPU kernels; None when they cannot read them (a type
-        they lack, a width not a whole number of blocks, no C++ ops)."""
+        they lack, a width not a whole number of blocks, no C++ ops). ``int8_activations``:
+        Q4_0/Q4_1/Q8_0 multiply activations rounded to int8 (the other types stay exact)."""
         n, k = blocks.shape
         if (
             blocks.ggml_type not in QUANT_TYPES.values()
@@ -100,8 +104,11 @@ class QuantWeight:
             or _cpu_op("quant_pack") is None
         ):
             return None
-        packed = _cpu_op("quant_pack")(blocks.data, blocks.ggml_type, k)
-        return cls(packed, blocks.ggml_type, n, k)
+        kind = blocks.ggml_type
+        if int8_activations and kind in INT8_ACTIVATION_TYPES:
+            kind |= INT8_ACTIVATIONS
+        packed = _cpu_op("quant_pack")(blocks.data, kind, k)
+        return cls(packed, kind, n, k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for fp32 x [..., k]."""

@@ -251,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.parallel = parallel
+        # --cpu-activation-quant int8: quantized linears take activations rounded to int8
+        # (set before load_weights, which packs them for it).
+        self.int8_activations = False
         self.model = LlamaModel(
             arch, attn_backend, max_positions or arch.max_position_embeddings, parallel
         )
@@ -358,10 +361,11 @@ class LlamaForCausalLM(nn.Module):
             or weight.device.type != "cpu"
         ):
             return False
+        int8 = self.int8_activations and isinstance(module, Linear)  # not embedding lookups
         if shard is None:
             if name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 blocks = _pad_rows(blocks, weight.shape[0])  # the last rank's padded vocabulary
-            quant = QuantWeight.pack(blocks)
+            quant = QuantWeight.pack(blocks, int8)
             if quant is None:
                 return False
             module.set_quantized(quant)
@@ -378,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
             data = torch.cat([c.data for c in chunks])
             rows = sum(c.shape[0] for c in chunks)
             quant = QuantWeight.pack(
-                GGUFBlocks(data, chunks[0].ggml_type, (rows, chunks[0].shape[1]))
+                GGUFBlocks(data, chunks[0].ggml_type, (rows, chunks[0].shape[1])), int8
             )
         if quant is not None:
             module.set_quantized(quant)
