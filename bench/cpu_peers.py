@@ -12,6 +12,7 @@ installs the peers):
 
 - ``ours``: ``actorserve serve`` (a GGUF model on CPU runs from its quantized blocks);
 - ``ours-fp32``: the same with ``--quantization none`` (every weight expanded to fp32);
+- ``ours-int8``: the same with ``--cpu-activation-quant int8`` (llama.cpp's trade, not exact);
 - ``llama``: ``llama-server`` on the same GGUF file, 16 slots, 2 threads;
 - ``vllm-bf16`` / ``vllm-fp32``: ``vllm serve`` on the converted HF folder.
 
@@ -72,6 +73,7 @@ def servers(peers: Path) -> list[Server]:
     found = [
         Server("ours", ours, {}, 300),
         Server("ours-fp32", [*ours, "--quantization", "none"], {}, 300),
+        Server("ours-int8", [*ours, "--cpu-activation-quant", "int8"], {}, 300),
     ]
     if (peers / "llama-server").exists():
         found.append(Server("llama", [str(peers / "llama-server"), "-m", gguf, "--host", "127.0.0.1",

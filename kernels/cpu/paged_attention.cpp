@@ -154,15 +154,18 @@ struct RowAttention {
       for (int c = 0; c < C; ++c)
         s.q[h * C + c] = load_vec(q_base + rows[i] * q_stride0 + (h0 + h) * q_stride1 + c * W) * scale;
 
-    // Pass 1: scores[h][t] = q_h . k_t, W positions at a time.
+    // Pass 1: scores[h][t] = q_h . k_t, W positions at a time. Prefetches cover only this
+    // part's KV heads of each slot.
     constexpr int64_t ahead = 4 * W;
-    prefetch_tile(k_base, slot, 0, std::min(ahead, len), tok_stride);
-    prefetch_tile(v_base, slot, 0, std::min(ahead, len), tok_stride);
+    const scalar_t *k_part = k_base + kv0 * D, *v_part = v_base + kv0 * D;
+    const int64_t part_elems = (kv1 - kv0) * D;
+    prefetch_tile(k_part, slot, 0, std::min(ahead, len), part_elems);
+    prefetch_tile(v_part, slot, 0, std::min(ahead, len), part_elems);
     for (int64_t t0 = 0; t0 < len; t0 += W) {
       const int n = static_cast<int>(std::min<int64_t>(W, len - t0));
       // K for pass 1 and, into L2, V for pass 2: twice the requests in flight.
-      prefetch_tile(k_base, slot, std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
-      prefetch_tile(v_base, slot, std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), tok_stride);
+      prefetch_tile(k_part, slot, std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), part_elems);
+      prefetch_tile(v_part, slot, std::min(t0 + ahead, len), std::min(t0 + ahead + W, len), part_elems);
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         for_group(group, [&](auto heads, int64_t g0) {
           const int64_t h = (kvh - kv0) * group + g0;

@@ -130,6 +130,16 @@ template <int64_t T>
 constexpr int64_t block_bytes() {  // packed bytes per block of one row (Q4_K: scales unpacked)
   return T == kQ4_K ? 148 : gguf_block_bytes<T>();
 }
+// From how many rows of x on W is expanded for torch's GEMM (AVX2 runs K-quants one row
+// per pass: from 2 rows the GEMM is faster).
+template <int64_t T>
+constexpr int64_t gemm_rows() {
+#if defined(__AVX512F__)
+  return kGemmRows;
+#else
+  return is_k_quant<T>() ? 2 : kGemmRows;
+#endif
+}
 // Rows of x per pass against a group: as many as their accumulators leave registers for.
 template <int64_t T>
 constexpr int pass_rows() {
@@ -621,7 +631,8 @@ void check_packed(const at::Tensor& packed, int64_t type, int64_t n, int64_t k) 
 
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear: fp32 x and out");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "quant_linear: contiguous 2-D x and out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
+              "quant_linear: contiguous 2-D x and out");
   const int64_t m = x.size(0), k = x.size(1);
   check_packed(packed, type, n, k);
   TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_linear: out must be [", m, ", ", n, "]");
@@ -641,7 +652,7 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   }
   with_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    if (m >= kGemmRows) {
+    if (m >= gemm_rows<T>()) {
       quant_linear_gemm<T>(out, x, wp, n, k);
     } else {
       quant_linear_type<T>(out.data_ptr<float>(), x.data_ptr<float>(), wp, m, n, k);
