@@ -323,7 +323,9 @@ def test_quant_ops_reject_bad_shapes() -> None:
         quant_linear(torch.randn(1, 16), packed, 3, 8)
     assert torch.equal(quant_linear(torch.randn(2, 32), packed, 3, 8), torch.zeros(2, 8))
     with pytest.raises(RuntimeError, match="2-D x and out"):
-        torch.ops.actorserve_cpu.quant_linear(torch.empty(2, 8, 2), torch.randn(2, 32), packed, 3, 8)
+        torch.ops.actorserve_cpu.quant_linear(
+            torch.empty(2, 8, 2), torch.randn(2, 32), packed, 3, 8
+        )
 
 
 def test_model_linear_uses_streaming_op_for_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
