@@ -5,7 +5,8 @@ gate, up, down, and the 49,152 x 576 LM head), each with its own random weights 
 no weight stays in cache between uses, at 1 to 64 tokens: fp32 weights through the
 model's ``linear`` (the streaming C++ op at 1-2 tokens, oneDNN from 4), and the same
 weights as GGUF Q8_0, Q4_0 and Q4_1 blocks (gguf's own quantizer), packed by
-``quant_pack``, through ``quant_linear``. Median of 7 after a warm-up.
+``quant_pack``, through ``quant_linear``, with fp32 activations and (``+i8``, where the CPU
+has AVX-512 VNNI) ``--cpu-activation-quant int8``. Median of 7 after a warm-up.
 
     .venv/bin/python -m bench.quant_linear
 
@@ -31,6 +32,13 @@ OUT = Path(__file__).resolve().parent / "out"
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SHAPES = LAYER * 30 + [(49152, 576)]
 TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# The same blocks with --cpu-activation-quant int8 (AVX-512 VNNI only): "<type>+i8".
+INT8 = tuple(f"{t}+i8" for t in TYPES) if kc.int8_activations_supported() else ()
+
+
+def _type_id(kind: str) -> int:
+    base = kc.QUANT_TYPES[kind.removesuffix("+i8")]
+    return base | kc.INT8_ACTIVATIONS if kind.endswith("+i8") else base
 
 
 def main() -> int:
@@ -40,12 +48,15 @@ def main() -> int:
     weights = []
     for n, k in SHAPES:
         w = rng.standard_normal((n, k)).astype(np.float32)
-        blocks = {t: kc.quant_pack(torch.from_numpy(np.ascontiguousarray(
-            quants.quantize(w, GGMLQuantizationType[t]))), kc.QUANT_TYPES[t], k) for t in TYPES}  # fmt: skip
+        raw = {t: torch.from_numpy(np.ascontiguousarray(quants.quantize(
+            w, GGMLQuantizationType[t.removesuffix("+i8")]))) for t in TYPES}  # fmt: skip
+        blocks = {
+            t: kc.quant_pack(raw[t.removesuffix("+i8")], _type_id(t), k) for t in TYPES + INT8
+        }
         weights.append((torch.from_numpy(w), blocks))
     rows = []
     with torch.inference_mode():
-        for m in (1, 2, 4, 8, 16, 64):
+        for m in (1, 2, 4, 8, 16, 64, 256):
             xs = {k: torch.randn(m, k) for k in (576, 1536)}
 
             def step(kind: str, m: int = m, xs: dict = xs) -> float:
@@ -55,10 +66,10 @@ def main() -> int:
                     if kind == "fp32":
                         linear(x, w)
                     else:
-                        kc.quant_linear(x, blocks[kind], kc.QUANT_TYPES[kind], w.shape[0])
+                        kc.quant_linear(x, blocks[kind], _type_id(kind), w.shape[0])
                 return time.perf_counter() - start
 
-            for kind in ("fp32", *TYPES):
+            for kind in ("fp32", *TYPES, *INT8):
                 step(kind)
                 times = [step(kind) for _ in range(7)]
                 bytes_read = sum(
