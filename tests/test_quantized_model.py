@@ -8,6 +8,7 @@ the same file (itself checked against HF in test_model.py and test_model_loader.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -16,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kernels.cpu import INT8_ACTIVATIONS, QUANT_TYPES, int8_activations_supported, load_cpu_ops
+from kernels.cpu import QUANT_TYPES, int8_activations_supported, load_cpu_ops
 from services.config import ModelArchConfig
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from services.gpu_worker.model.layers import Linear, VocabParallelEmbedding
@@ -160,10 +161,15 @@ def _tiny_k_quant_gguf(path: Path, *, q6k_v: bool = True) -> None:
     )
 
 
+def _prepared(tmp_path: Path, write: Callable[[Path], None]) -> Path:
+    """The converted folder of a GGUF that ``write`` makes."""
+    path = tmp_path / "model.gguf"
+    write(path)
+    return prepare_model(str(path), "gguf", cache_dir=tmp_path / "cache")
+
+
 def test_mixed_types_quantized_equal_dense(tmp_path: Path) -> None:
-    path = tmp_path / "mixed.gguf"
-    _tiny_mixed_gguf(path)
-    folder = prepare_model(str(path), "gguf", cache_dir=tmp_path / "cache")
+    folder = _prepared(tmp_path, _tiny_mixed_gguf)
     quant, dense = _load(folder, quantized=True), _load(folder, quantized=False)
     assert _quantized_modules(quant) == {
         "model.embed_tokens": "Q8_0",
@@ -188,9 +194,7 @@ def test_k_quants_quantized_equal_dense(tmp_path: Path) -> None:
     """Q4_K and Q6_K matrices (a Q4_K_M-style mix) stay in their blocks, fused q/k/v of mixed
     K types expanded, and give the dense weights' logits: prompts through the kernels'
     register passes (5 tokens) and their expand-and-GEMM path (70 tokens)."""
-    path = tmp_path / "k.gguf"
-    _tiny_k_quant_gguf(path)
-    folder = prepare_model(str(path), "gguf", cache_dir=tmp_path / "cache")
+    folder = _prepared(tmp_path, _tiny_k_quant_gguf)
     quant, dense = _load(folder, quantized=True), _load(folder, quantized=False)
     assert _quantized_modules(quant) == {
         "model.embed_tokens": "Q6_K",
@@ -242,8 +246,8 @@ def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path
     if model_kind.startswith("default"):
         folder = prepare_model(None)
     else:
-        _tiny_k_quant_gguf(tmp_path / "k.gguf", q6k_v=False)  # fused q/k/v of one type
-        folder = prepare_model(str(tmp_path / "k.gguf"), "gguf", cache_dir=tmp_path / "cache")
+        # fused q/k/v of one type
+        folder = _prepared(tmp_path, lambda path: _tiny_k_quant_gguf(path, q6k_v=False))
     model = _load(folder, quantized=True, int8=model_kind == "default-int8")
     arch, block_size = model.arch, 16
     lens = np.array([20, 37, 50])
@@ -323,10 +327,9 @@ def test_int8_activations_default_model(long_prompt) -> None:
     folder = prepare_model(None)
     exact, model = _load(folder, quantized=True), _load(folder, quantized=True, int8=True)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(
-        m.quant is not None and m.quant.ggml_type & INT8_ACTIVATIONS for m in linears
-    )
-    assert not model.model.embed_tokens.quant.ggml_type & INT8_ACTIVATIONS
+    assert linears and model.int8_linears() == len(linears)
+    embed = model.model.embed_tokens.quant
+    assert embed is not None and not embed.int8_activations
     ours, ref = _our_logits(model, long_prompt), _our_logits(exact, long_prompt)
     rel = float((ours - ref).norm() / ref.norm())
     same = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
@@ -339,3 +342,13 @@ def test_int8_activations_need_quantized_weights() -> None:
 
     with pytest.raises(ModelLoadError, match="applies to a GGUF model's quantized matrices"):
         LLM(quantization="none", cpu_activation_quant="int8", max_model_len=256)
+
+
+def test_int8_activations_need_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.cpu
+    from services.engine import LLM
+    from services.model_loader import ModelLoadError
+
+    monkeypatch.setattr(kernels.cpu, "int8_activations_supported", lambda: False)
+    with pytest.raises(ModelLoadError, match="needs a CPU with AVX-512 VNNI"):
+        LLM(cpu_activation_quant="int8", max_model_len=256)

@@ -157,6 +157,7 @@ QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # ORed into a Q4_0/Q4_1/Q8_0 type id: the layout and op for int8 activations (AVX-512 VNNI,
 # x rounded to int8 per block of 32; not exact). ``quant_pack`` and ``quant_linear`` take it.
 INT8_ACTIVATIONS = 256
+INT8_ACTIVATION_TYPES = frozenset(QUANT_TYPES[t] for t in ("Q4_0", "Q4_1", "Q8_0"))
 
 
 @functools.cache

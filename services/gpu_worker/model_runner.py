@@ -124,10 +124,23 @@ class ModelRunner(WorkerBackend):
                 parallel,
             )
         self.model = model.to(self.dtype).to_empty(device=self.device).eval()
-        if config.model.cpu_activation_quant == "int8":
-            self._check_int8_activations(folder)
+        int8 = config.model.cpu_activation_quant == "int8"
+        if int8:
+            from kernels.cpu import int8_activations_supported
+
+            if not int8_activations_supported():
+                raise ModelLoadError(
+                    "--cpu-activation-quant int8 needs a CPU with AVX-512 VNNI (this one has "
+                    "none, or the C++ ops did not build); use --cpu-activation-quant none"
+                )
             self.model.int8_activations = True
         self.model.load_weights(weights)
+        if int8 and not self.model.int8_linears():
+            raise ModelLoadError(
+                "--cpu-activation-quant int8 applies to a GGUF model's quantized matrices "
+                "(Q4_0/Q4_1/Q8_0) on CPU with --dtype float32 and --quantization auto or "
+                "gguf; this model has none loaded that way"
+            )
         self.num_layers = len(self.model.model.layers)  # this pipeline stage's
         self.link = StageLink(parallel, arch.hidden_size, self.dtype, self.device)
         self.block_size = config.cache.block_size
@@ -163,29 +176,6 @@ class ModelRunner(WorkerBackend):
                 )
             return iter_weights(folder, self.dtype)
         return iter_gguf_weights(source, load_hf_config(folder), self.dtype, QUANT_TYPES.values())
-
-    def _check_int8_activations(self, folder: Path | None) -> None:
-        """``--cpu-activation-quant int8`` needs the quantized CPU path and AVX-512 VNNI."""
-        from kernels.cpu import int8_activations_supported
-
-        quantized = (
-            folder is not None
-            and self.config.model.load_format != "dummy"
-            and self.config.model.quantization != "none"
-            and gguf_source(folder) is not None
-            and self.device.type == "cpu"
-            and self.dtype == torch.float32
-        )
-        if not quantized:
-            raise ModelLoadError(
-                "--cpu-activation-quant int8 applies to a GGUF model's quantized matrices on "
-                "CPU with --dtype float32 and --quantization auto or gguf"
-            )
-        if not int8_activations_supported():
-            raise ModelLoadError(
-                "--cpu-activation-quant int8 needs a CPU with AVX-512 VNNI (this one has "
-                "none, or the C++ ops did not build); use --cpu-activation-quant none"
-            )
 
     # ------------------------------------------------------------------ KV cache
 

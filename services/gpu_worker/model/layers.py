@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import INT8_ACTIVATIONS, QUANT_TYPES
+from kernels.cpu import INT8_ACTIVATION_TYPES, INT8_ACTIVATIONS, QUANT_TYPES
 from services.gpu_worker.distributed import ParallelState
 from services.model_loader.gguf_tensors import GGUFBlocks
 
@@ -78,9 +78,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-INT8_ACTIVATION_TYPES = {QUANT_TYPES[t] for t in ("Q4_0", "Q4_1", "Q8_0")}
-
-
 @dataclass(frozen=True)
 class QuantWeight:
     """A matrix [n, k] kept quantized: GGUF blocks of ``ggml_type`` packed by
@@ -109,6 +106,11 @@ class QuantWeight:
             kind |= INT8_ACTIVATIONS
         packed = _cpu_op("quant_pack")(blocks.data, kind, k)
         return cls(packed, kind, n, k)
+
+    @property
+    def int8_activations(self) -> bool:
+        """Packed for (and computed with) activations rounded to int8."""
+        return bool(self.ggml_type & INT8_ACTIVATIONS)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for fp32 x [..., k]."""

@@ -342,6 +342,14 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
+    def int8_linears(self) -> int:
+        """How many linears were packed for int8 activations."""
+        return sum(
+            1
+            for m in self.modules()
+            if isinstance(m, Linear) and m.quant is not None and m.quant.int8_activations
+        )
+
     def _load_quantized(
         self,
         name: str,
