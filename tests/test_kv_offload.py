@@ -434,6 +434,10 @@ def test_a_restarted_server_hits_the_prefix_it_saved(tmp_path):
         srv.wait_ready()
         first = _complete(srv, prompt)
         n = first["usage"]["prompt_tokens"]
+        # Writes trail the step that saved the blocks; a clean stop finishes them (leaving
+        # the block would SIGKILL the server with writes still queued).
+        srv.popen.terminate()
+        assert srv.wait_exit(60) == 0, srv.log
     files = list(tmp_path.rglob("*.safetensors"))
     assert len(files) >= n // 16 - 1
     with RemoteServer(*args) as srv:

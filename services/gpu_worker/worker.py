@@ -106,7 +106,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
                 logger.info(
                     "worker rank %d: the scheduler at %s went away; exiting", rank, plans.endpoint
                 )
-                raise SystemExit(0)
+                break
             plan = plans.recv_nowait()
             if plan is None:
                 continue
@@ -125,10 +125,16 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
                 trace.record(plan, start, end)
             if results is not None:
                 results.send(result)
+        if connector is not None:
+            # The launcher's SIGTERM may follow the scheduler's exit: from here it is
+            # ignored (one raised before this line lands below all the same).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except _Stop:
-        assert connector is not None
-        connector.shutdown()
-        os._exit(0)
+        pass  # the handler ignored later SIGTERMs
+    if connector is None:
+        raise SystemExit(0)
+    connector.shutdown()
+    os._exit(0)
 
 
 class _Stop(BaseException):
@@ -136,6 +142,8 @@ class _Stop(BaseException):
 
 
 def _raise_stop(*_: object) -> None:
+    # One stop: a second SIGTERM must not interrupt the connector's shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Stop
 
 
