@@ -73,6 +73,7 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
         model_root=config.model_folder,
         api_key=config.api_key,
         max_num_queued_reqs=config.max_num_queued_reqs,
+        limits=config.limits,
         enable_request_id_headers=config.enable_request_id_headers,
         kv_events=kv_events_info(config),
     )

@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.config import ConfigError, EngineConfig, add_engine_args
-from services.flags import parse_size
+from services.config import ConfigError, EngineConfig, RequestLimits, add_engine_args
+from services.flags import add_flags, parse_size
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -187,6 +187,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="no stats log line and no engine metrics (vllm:*) per step",
     )
+    add_flags(p, "request limits", RequestLimits())
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 

@@ -104,12 +104,23 @@ class ProcessGroup:
         dead = [c for c in self.children if c.popen.poll() is not None and not c.expected_exit]
         return min(dead, key=lambda c: c.popen.returncode >= 0, default=None)
 
+    def first_stopped(self) -> Child | None:
+        """A live child that is stopped (SIGSTOP, SIGTSTP, a debugger): alive but silent, so
+        whatever waits on it would wait forever. Read from ``/proc`` (Linux); elsewhere
+        never."""
+        for child in self.children:
+            if child.popen.poll() is None and _is_stopped(child.popen.pid):
+                return child
+        return None
+
     def stop_all(self, timeout: float = 5.0) -> None:
-        """SIGTERM every child, wait up to ``timeout`` seconds, then SIGKILL the rest."""
+        """SIGTERM every child (and SIGCONT, so a stopped one handles it), wait up to
+        ``timeout`` seconds, then SIGKILL the rest."""
         for child in self.children:
             child.expected_exit = True
             if child.popen.poll() is None:
                 child.popen.send_signal(signal.SIGTERM)
+                child.popen.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + timeout
         for child in self.children:
             try:
@@ -123,6 +134,16 @@ class ProcessGroup:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._death_r = self._death_w = -1
+
+
+def _is_stopped(pid: int) -> bool:
+    """``/proc/PID/stat``'s state is T (stopped by a signal) or t (stopped by a tracer)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
 
 
 def watch_parent() -> None:

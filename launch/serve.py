@@ -42,6 +42,7 @@ from services.config import (
     KVEventPublisherInfo,
     ModelArchConfig,
     ParallelConfig,
+    RequestLimits,
     ServeConfig,
 )
 from services.flags import parse_json_object
@@ -204,6 +205,10 @@ class Launcher:
             dead = self.group.first_dead()
             if dead is not None:
                 reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
+                return self._on_death(reason, api)
+            stopped = self.group.first_stopped()
+            if stopped is not None:
+                reason = f"the {stopped.name} process was stopped (pid {stopped.popen.pid})"
                 return self._on_death(reason, api)
             if self.nodes is not None:
                 self.nodes.poll()  # statuses: liveness and metrics
@@ -422,6 +427,7 @@ def run_server(args: object) -> int:
         api_key=a.get("api_key"),
         shutdown_timeout=a["shutdown_timeout"],
         max_num_queued_reqs=a.get("max_num_queued_reqs"),
+        limits=RequestLimits.from_cli(args),  # type: ignore[arg-type]
         enable_request_id_headers=bool(a.get("enable_request_id_headers")),
         tokenizer_workers=a["tokenizer_workers"],
         log_level=a["uvicorn_log_level"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,6 +28,7 @@ from services.gpu_worker.registry import ATTENTION_BACKENDS, WORKER_BACKENDS
 from services.kv_transfer.config import KVTransferConfig
 from services.model_arch import ModelArchConfig
 from services.parallel_config import ParallelConfig
+from services.protocol import DEFAULT_MAX_LOGPROBS
 from services.scheduler.block_hash import HASH_FUNCTIONS
 from services.scheduler.request_queue import REQUEST_QUEUES
 
@@ -434,6 +436,71 @@ class KVEventPublisherInfo:
 
 
 @dataclass
+class RequestLimits:
+    """What one request may ask for and hold: past a limit it gets a 400 (413 for the body)."""
+
+    max_request_body_bytes: int = field(
+        default=8 << 20,
+        metadata=flag("largest request body, in bytes (8MiB, 1G, ...)", type=parse_size),
+    )
+    max_logprobs: int = field(
+        default=DEFAULT_MAX_LOGPROBS,
+        metadata=flag(
+            "most logprobs (and prompt_logprobs) a request may ask for; -1: up to the "
+            "vocabulary size"
+        ),
+    )
+    max_n: int = field(default=128, metadata=flag("most choices (n) one request may ask for"))
+    max_sequences_per_request: int = field(
+        default=1024,
+        metadata=flag("most sequences (prompts x n) one completions request may make"),
+    )
+    max_stop_strings: int = field(
+        default=128,
+        metadata=flag("most stop strings, and most bad_words, one request may give (each)"),
+    )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata=flag(
+            "render a chat_template sent with a request (in the sandbox, within the limits "
+            "below); without it such a request is refused"
+        ),
+    )
+    chat_template_render_timeout: float = field(
+        default=2.0, metadata=flag("seconds a chat template may take to render")
+    )
+    max_chat_prompt_chars: int = field(
+        default=1_000_000, metadata=flag("longest prompt text a chat template may render")
+    )
+    stream_send_timeout: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds a streaming client may leave a chunk untaken (its buffers full) before "
+            "its stream ends and its request is aborted"
+        ),
+    )
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> RequestLimits:
+        given = {f.name: getattr(args, f.name, None) for f in fields(cls)}
+        limits = cls(**{k: v for k, v in given.items() if v is not None})
+        for name in (
+            "max_request_body_bytes",
+            "max_n",
+            "max_stop_strings",
+            "max_chat_prompt_chars",
+        ):
+            if getattr(limits, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if limits.max_logprobs < -1:
+            raise ConfigError("--max-logprobs must be -1 (the vocabulary size) or at least 0")
+        for name in ("chat_template_render_timeout", "stream_send_timeout"):
+            if not (math.isfinite(getattr(limits, name)) and getattr(limits, name) > 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number")
+        return limits
+
+
+@dataclass
 class ServeConfig:
     """Everything a server's processes need; the launcher hands it to each child as JSON."""
 
@@ -446,6 +513,7 @@ class ServeConfig:
     api_key: str | None = None
     shutdown_timeout: float = 30.0
     max_num_queued_reqs: int | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
     enable_request_id_headers: bool = False
     tokenizer_workers: int = 1
     num_blocks: int = 0  # measured by the worker, given to the scheduler

@@ -20,6 +20,9 @@ import msgspec
 _STRUCT = {"array_like": True, "omit_defaults": True}
 
 
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+
+
 class SamplingParams(msgspec.Struct, **_STRUCT):
     """How to sample one request's output, with vLLM's names and defaults.
 
@@ -50,7 +53,10 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     bad_words: list[str] = []  # never generated (as token sequences, after the tokenizer)
     bad_words_token_ids: list[list[int]] = []  # filled in by the tokenizer from bad_words
 
-    def validate(self) -> None:
+    def validate(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """ValueError("<param> <why>") for the first bad parameter; ``max_logprobs`` is
+        ``--max-logprobs`` (-1: no bound here; the tokenizer holds it to the vocabulary)."""
+
         def bad(param: str, why: str) -> ValueError:
             return ValueError(f"{param} {why}")
 
@@ -81,10 +87,12 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
                 "min_tokens",
                 f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
             )
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}.")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
-            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}.")
+        for param in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, param)
+            if value is not None and value < 0:
+                raise bad(param, f"must be non-negative, got {value}.")
+            if value is not None and 0 <= max_logprobs < value:
+                raise bad(param, f"must be in [0, {max_logprobs}], got {value}.")
         if any(s == "" for s in self.stop):
             raise bad("stop", "must not contain empty strings.")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:

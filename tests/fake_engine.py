@@ -17,6 +17,7 @@ import uvicorn
 
 from services.api_server.app import ServerSettings, build_app
 from services.api_server.frontend import EngineFrontend, FrontendEndpoints
+from services.config import RequestLimits
 from services.detokenizer.service import DetokenizerEndpoints, serve_detokenizer
 from services.ipc import PullSocket, PushSocket, ipc_dir
 from services.protocol import (
@@ -123,7 +124,9 @@ def serve_fake_engine() -> Iterator[tuple]:
     ]
     frontend = EngineFrontend(fe, max_model_len=MAX_LEN)
     settings = ServerSettings(
-        [MODEL], max_request_body_bytes=1 << 20, enable_request_id_headers=True
+        [MODEL],
+        limits=RequestLimits(max_request_body_bytes=1 << 20),
+        enable_request_id_headers=True,
     )
     port = _free_port()
     uv = uvicorn.Server(

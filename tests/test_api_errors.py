@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import json
+import socket
 import time
 
 import httpx
@@ -16,6 +19,7 @@ from services.api_server.app import ServerSettings, build_app
 from services.api_server.frontend import EngineFrontend, FrontendEndpoints
 from services.ipc import PushSocket
 from services.protocol import (
+    Abort,
     ApiServerInput,
     EngineDead,
     TokenizedRequest,
@@ -84,6 +88,80 @@ BAD = [
         400,
         "prompt_logprobs",
     ),
+    # Hostile input: deep nesting, numbers past int64 in every integer field, non-JSON
+    # numbers, too many stop strings or bad words, a request's own chat template.
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}", 400, None),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 900 + b"1" + b"]" * 900 + b"}", 400, "prompt"),
+    *[
+        ("/v1/completions", {"model": MODEL, "prompt": "x", field: value}, 400, field)
+        for field in (
+            "seed",
+            "max_tokens",
+            "min_tokens",
+            "priority",
+            "top_k",
+            "n",
+            "logprobs",
+            "prompt_logprobs",
+            "stop_token_ids",
+        )
+        for value in ([2**70] if field == "stop_token_ids" else 2**70, -(2**70))
+    ],  # fmt: skip
+    *[
+        ("/v1/chat/completions", _chat(**{field: 2**64}), 400, field)
+        for field in ("max_completion_tokens", "top_logprobs", "seed")
+    ],
+    *[
+        ("/v1/completions", f'{{"prompt": "x", "{field}": {value}}}'.encode(), 400, None)
+        for field, value in (("temperature", "NaN"), ("top_p", "Infinity"), ("seed", "-Infinity"))
+    ],
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None),
+    ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(129)]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 129}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "n": 129}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", _chat(chat_template="{{ 'x' * 10**10 }}"), 400, "chat_template"),
+    (
+        "/v1/chat/completions",
+        _chat(chat_template_kwargs={"chat_template": "{{ messages }}"}),
+        400,
+        "chat_template",
+    ),
+    ("/v1/chat/completions", _chat(chat_template_kwargs={"messages": []}), 400, "messages"),
+    # Integers past 64 bits where the schema takes anything: still a 400 naming the field.
+    ("/v1/chat/completions", _chat(chat_template_kwargs={"x": 2**64}), 400, "chat_template_kwargs"),
+    (
+        "/v1/chat/completions",
+        _chat(
+            tools=[{**_TOOL, "function": {"name": "f", "parameters": {"maximum": -(2**64)}}}],
+            tool_choice="none",
+        ),
+        400,
+        "tools",
+    ),  # fmt: skip
+    (
+        "/v1/completions",
+        {"prompt": "x", "kv_transfer_params": {"a": [2**70]}},
+        400,
+        "kv_transfer_params",
+    ),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"x": 2**64}},
+        400,
+        "chat_template_kwargs",
+    ),  # fmt: skip
+    ("/v1/completions", {"prompt": ["a"] * 300, "n": 4, "max_tokens": 1}, 400, "prompt"),
+    (
+        "/tokenize",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"chat_template": "x"},
+        },
+        400,
+        "chat_template",
+    ),
 ]
 
 
@@ -106,6 +184,97 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(
         ).status_code
         == 200
     )
+
+
+def test_an_internal_error_is_a_500_and_the_connection_keeps_serving(server, http, monkeypatch):
+    """A bug in a route is a 500 in OpenAI's shape, and the client's keep-alive connection
+    serves its next request (Starlette's last-resort handler would have uvicorn drop it)."""
+    frontend = server[2]
+
+    async def broken(_):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(frontend, "tokenize", broken)
+    r = http.post("/tokenize", json={"prompt": "x"})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"] == {
+        "message": "Internal server error: RuntimeError",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+    monkeypatch.undo()
+    ok = http.post("/tokenize", json={"prompt": "x"})  # the same connection, reused
+    assert ok.status_code == 200 and ok.json()["count"] >= 1
+
+
+def test_a_client_gone_mid_upload_is_no_internal_error(server, http, caplog):
+    host, port = server[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")  # fmt: skip
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_limits_are_the_servers(server, http):
+    """--max-n, --max-logprobs and --max-stop-strings move the bounds."""
+    settings = server[3]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    before = settings.limits
+    settings.limits = dataclasses.replace(before, max_n=2, max_logprobs=30, max_stop_strings=1)
+    try:
+        assert http.post("/v1/completions", json={**body, "n": 3}).json()["error"]["param"] == "n"
+        assert http.post("/v1/completions", json={**body, "n": 2}).status_code == 200
+        assert http.post("/v1/completions", json={**body, "logprobs": 30}).status_code == 200
+        r = http.post("/v1/completions", json={**body, "stop": ["a", "b"]})
+        assert r.status_code == 400 and "--max-stop-strings" in r.json()["error"]["message"]
+        settings.limits = dataclasses.replace(before, max_logprobs=-1, max_sequences_per_request=3)
+        assert http.post("/v1/completions", json={**body, "logprobs": 40}).status_code == 200
+        r = http.post("/v1/completions", json={**body, "logprobs": 10**6})  # past the vocabulary
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+        r = http.post("/v1/completions", json={**body, "prompt": ["a", "b"], "n": 2})
+        assert "--max-sequences-per-request" in r.json()["error"]["message"]
+    finally:
+        settings.limits = before
+
+
+def test_a_client_that_stops_reading_loses_its_stream_not_the_engine(server, http):
+    """A streaming client that reads nothing: once the socket buffers are full, a chunk
+    waits --stream-send-timeout, then the stream ends, the engine request is aborted long
+    before its max_tokens, and the connection is closed."""
+    base, sched, frontend, settings, _ = server
+    before = settings.limits
+    settings.limits = dataclasses.replace(before, stream_send_timeout=1.0)
+    aborts = len(sched.ids_of(Abort))
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": MAX_LEN - 16, "n": 4,
+                       "logprobs": 20, "stream": True}).encode()  # fmt: skip
+    host, port = base.removeprefix("http://").split(":")
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            deadline = time.monotonic() + 60
+            while len(sched.ids_of(Abort)) == aborts and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(sched.ids_of(Abort)) > aborts, "the request was not aborted"
+            assert frontend.num_live == 0
+            s.settimeout(10)
+            received = b""
+            while chunk := s.recv(1 << 16):  # now read: what was buffered, then the close
+                received += chunk
+    finally:
+        settings.limits = before
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+    assert received.count(b'"finish_reason":"length"') == 0
+    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
 
 
 def test_prompt_too_long_reports_both_numbers(http):
@@ -181,6 +350,15 @@ def test_api_key():
     assert r1.json()["error"]["code"] == 401
     assert r3.status_code == 200 and r4.status_code == 200
     assert r3.json()["data"][0]["id"] == MODEL
+
+    # Every /v1 route of the app, whatever its method, is refused without the key.
+    routes = [(r.path, m) for r in app.routes if r.path.startswith("/v1") for m in r.methods]
+
+    async def unauthorized():
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return [(await c.request(m, p, json={})).status_code for p, m in routes]
+
+    assert len(routes) >= 3 and set(asyncio.run(unauthorized())) == {401}
 
 
 def test_request_ids_from_header_or_body(server, http):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 
-from services.tokenizer.chat_template import ChatTemplateError, _compile, render_chat
+from services.tokenizer.chat_template import MAX_ITEMS, ChatTemplateError, _compile, render_chat
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -134,6 +135,74 @@ def test_render_time_is_bounded():
     start = time.monotonic()
     msg = _error(slow, timeout_s=0.05, max_output_chars=10**12)
     assert "longer than 0.05s" in msg and time.monotonic() - start < 2.0
+
+
+def test_a_silent_loop_is_stopped_on_time():
+    """A loop that emits nothing is stopped by the timer (on the main thread, as in the
+    tokenizer process), not only when it next emits."""
+    silent = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    start = time.monotonic()
+    assert "longer than 0.2s" in _error(silent, timeout_s=0.2, timer=True)
+    assert time.monotonic() - start < 1.5
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL  # the timer's handler is gone
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert render_chat("{{ messages | length }}", CONVERSATIONS[0]) == "1"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 'x' * 20000000 }}",
+        "{{ [0] * 20000000 }}",
+        "{{ 20000000 * 'x' }}",
+        "{{ 7 ** 100000 }}",
+        "{{ '%20000000d' % 1 }}",
+        "{{ '%(a)20000000d' % {'a': 1} }}",
+        "{{ '%.20000000f' % 1.0 }}",
+        "{{ '%*d' % (20000000, 1) }}",
+        "{{ '%20000000d' | format(1) }}",
+        "{{ '{:>20000000}'.format(1) }}",
+        "{{ '{:>{w}}'.format(1, w=20000000) }}",
+        "{{ '{:>{w}}'.format(1, w='20000000') }}",
+        "{{ 'x'.ljust(20000000) }}",
+        "{{ 'x'.zfill(20000000) }}",
+        "{{ 'x' | center(20000000) }}",
+        "{{ 'x' | indent(20000000, true) }}",
+    ],
+)
+def test_one_operation_cannot_build_something_huge(template):
+    """Each would build 2x MAX_ITEMS (20 MB; scaled up, gigabytes in one C call no timer can
+    stop): refused before it runs. Sized so a broken guard fails the test, not the machine."""
+    assert MAX_ITEMS == 10_000_000
+    start = time.monotonic()
+    assert "SecurityError" in _error(template, timeout_s=30, max_output_chars=10**9)
+    assert time.monotonic() - start < 1.0
+
+
+def test_ordinary_numbers_widths_and_powers_still_work():
+    """Big numbers as values (timestamps, a tool schema's maxItems) are not sizes."""
+    got = render_chat(
+        "{{ 'ab' * 3 }}|{{ 2 ** 10 }}|{{ '%5d' % 7 }}|{{ '{:>4}'.format(1) }}|"
+        "{{ 1717171717 | string }}|{{ '%d' | format(1717171717) }}|{{ '{}'.format(2**40) }}|"
+        "{{ x | default(2147483647) }}|{{ 'a' | center(5) }}|{{ '%(n)s' % {'n': 2**40} }}",
+        [],
+    )
+    assert (
+        got
+        == "ababab|1024|    7|   1|1717171717|1717171717|1099511627776|2147483647|  a  |1099511627776"
+    )
+
+
+def test_request_variables_cannot_replace_the_messages():
+    """As vLLM: a request's variables may set add_generation_prompt (its own wins), not the
+    conversation nor the special tokens."""
+    with pytest.raises(ChatTemplateError, match="may not set eos_token, messages"):
+        render_chat("x", [], variables={"messages": [], "eos_token": "x"})
+    template = "{{ tools }}{{ add_generation_prompt }}"
+    assert (
+        render_chat(template, [], variables={"tools": 3, "add_generation_prompt": False})
+        == "3False"
+    )
 
 
 def test_compiled_templates_are_cached():

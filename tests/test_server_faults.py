@@ -10,6 +10,7 @@ SIGKILLs leftovers so one failure never leaks into the next test).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -219,3 +220,73 @@ def test_child_death_during_startup_fails_fast(make_server) -> None:
     assert server.wait_exit(60) == 1, server.log
     assert "worker rank 0 process exited with code -9 during start-up" in server.log
     _assert_all_gone(server, 5)
+
+
+def _fault(role: str, sig: signal.Signals, make_server) -> None:
+    """Under load (two streams and two plain requests in flight), ``sig`` to the ``role``
+    process: every request ends with an error within 20 s (none waits forever), the
+    launcher names the process and exits non-zero, and no process is left."""
+    server = make_server().wait_ready()
+    pid = server.children()[role]
+    streams = [StreamInThread(server.url, f"Story number {i}:", 400) for i in range(2)]
+    for s in streams:
+        assert s.first.wait(120), server.log
+    plain: list[BaseException | int] = []
+    plain_ended: list[float] = []
+
+    def complete(i: int) -> None:
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                           json={"prompt": f"Tale {i}:", "max_tokens": 400, "ignore_eos": True})  # fmt: skip
+            plain.append(r.status_code)
+        except httpx.HTTPError as e:
+            plain.append(e)
+        plain_ended.append(time.monotonic())
+
+    threads = [threading.Thread(target=complete, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    hit_at = time.monotonic()
+    os.kill(pid, sig)
+    try:
+        for s in streams:
+            s.join(30)
+            assert s.error is not None, f"a stream finished normally: {s.finish_reason}"
+            assert s.ended_at is not None and s.ended_at - hit_at < 20
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a plain request did not end"
+        assert all(not isinstance(p, int) or p >= 500 for p in plain), plain
+        code = server.wait_exit(60)
+        assert code not in (None, 0), server.log
+        ended = [s.ended_at - hit_at for s in streams if s.ended_at] + [
+            t - hit_at for t in plain_ended
+        ]
+        kinds = sorted({type(e).__name__ if not isinstance(e, int) else str(e) for e in plain})
+        print(f"\nFAULT {role} {sig.name}: requests ended {min(ended):.1f}-{max(ended):.1f} s "
+              f"after; plain requests got {kinds}; exit {code} "
+              f"{time.monotonic() - hit_at:.1f} s after")  # fmt: skip
+        name = "worker rank 0" if role == "worker" else role
+        verb = "was stopped" if sig == signal.SIGSTOP else "died"
+        assert f"the {name} process {verb}" in server.log, server.log
+        _assert_all_gone(server, 10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_stopped_scheduler_fails_requests_and_stops_server(make_server) -> None:
+    """SIGSTOP leaves a process alive but silent: the launcher sees it stopped and treats
+    it as dead (no request waits forever)."""
+    _fault("scheduler", signal.SIGSTOP, make_server)
+
+
+_ROLES = ("api_server", "tokenizer", "scheduler", "worker", "detokenizer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill9", "sigstop"])
+@pytest.mark.parametrize("role", _ROLES)
+def test_every_process_kind_killed_or_stopped_under_load(role, sig, make_server) -> None:
+    _fault(role, sig, make_server)

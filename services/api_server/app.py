@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from services import clock
 from services.api_server import serving
@@ -23,8 +23,11 @@ from services.api_server.frontend import EngineFrontend, EngineRequestError
 from services.api_server.http_io import (
     APIError,
     AuthMiddleware,
+    BoundedStreamingResponse,
     ClientGone,
+    InternalErrorMiddleware,
     XRequestIdMiddleware,
+    document_bodies,
     error_response,
     parse_body,
     prepend,
@@ -39,7 +42,9 @@ from services.api_server.protocol import (
     ParamError,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    check_template_trust,
 )
+from services.config import RequestLimits
 from services.metrics.process_metrics import api_requests
 from services.metrics.registry import render_latest
 from services.protocol import DetokenizeRequest as EngineDetokenizeRequest
@@ -56,7 +61,7 @@ class ServerSettings:
     model_root: str | None = None
     api_key: str | None = None
     max_num_queued_reqs: int | None = None  # None: no limit; over it new requests get 429
-    max_request_body_bytes: int = 8 << 20
+    limits: RequestLimits = field(default_factory=RequestLimits)
     enable_request_id_headers: bool = False
     created: int = field(default_factory=lambda: int(clock.wall()))
     # ``GET /kv_events``: the engine cores' KV event sockets, and what their hashes depend on
@@ -76,7 +81,6 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="actorserve", version=VERSION, lifespan=lifespan)
     names = settings.served_model_names
-    limit = settings.max_request_body_bytes
     requests_sent = api_requests(names[0] if names else "")
 
     @app.exception_handler(APIError)
@@ -87,13 +91,16 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     async def _engine_error(_: Request, e: EngineRequestError) -> JSONResponse:
         return error_response(e.status, e.message, e.error_type, e.param)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; no one reads it
+
     @app.exception_handler(ParamError)
     async def _param_error(_: Request, e: ParamError) -> JSONResponse:
         return error_response(400, str(e), param=e.param)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-        return error_response(500, f"Internal server error: {type(e).__name__}")
+    async def read_body(request: Request) -> Any:
+        return await read_json(request, settings.limits.max_request_body_bytes)
 
     def check_model(model: str | None) -> str:
         if model is None or model == settings.model_root:
@@ -103,6 +110,16 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         if model not in names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
         return model
+
+    def check_sequences(num: int) -> None:
+        most = settings.limits.max_sequences_per_request
+        if num > most:
+            raise APIError(
+                400,
+                f"This request makes {num} sequences (prompts x n); this server takes at most "
+                f"{most} (--max-sequences-per-request).",
+                "prompt",
+            )
 
     def check_admission() -> None:
         if frontend.errored:
@@ -163,18 +180,21 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             first = await until_disconnect(request, anext(deltas))
         except ClientGone:
             return Response(status_code=499)
-        return StreamingResponse(stream_fn(prepend(first, deltas)), media_type="text/event-stream")
+        return BoundedStreamingResponse(
+            stream_fn(prepend(first, deltas)), settings.limits.stream_send_timeout
+        )
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await read_json(request, limit))
+        req = parse_body(CompletionRequest, await read_body(request))
         model = check_model(req.model)
-        req.check()
+        req.check(settings.limits)
         prompts = req.prompts()
+        check_sequences(len(prompts) * req.n)
         if req.kv_transfer_params and len(prompts) != 1:
             raise ParamError("kv_transfer_params", "kv_transfer_params works with one prompt only.")
         sampling = req.completion_sampling_params()
-        validate_sampling(sampling)
+        validate_sampling(sampling, settings.limits.max_logprobs)
         check_admission()
         response_id, base_id = response_ids(request, "cmpl", req.request_id)
         ctx = serving.ResponseContext(
@@ -224,14 +244,14 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await read_json(request, limit))
+        req = parse_body(ChatCompletionRequest, await read_body(request))
         model = check_model(req.model)
-        req.check()
+        req.check(settings.limits)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         sampling = req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs)
-        validate_sampling(sampling)
+        validate_sampling(sampling, settings.limits.max_logprobs)
         check_admission()
         response_id, base_id = response_ids(request, "chatcmpl", req.request_id)
         ctx = serving.ResponseContext(
@@ -246,7 +266,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 req_id,
                 sub,
                 messages=messages,
-                chat_template=req.chat_template,
+                chat_template=req.template(),
                 chat_template_kwargs=req.template_kwargs(),
                 add_generation_prompt=req.add_generation_prompt,
                 add_special_tokens=req.add_special_tokens,
@@ -274,11 +294,12 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        body = await read_json(request, limit)
+        body = await read_body(request)
         req_id = f"tok-{uuid.uuid4().hex}"
         if isinstance(body, dict) and "messages" in body:
             chat = parse_body(TokenizeChatRequest, body)
             check_model(chat.model)
+            check_template_trust(None, chat.chat_template_kwargs, settings.limits)
             engine_req = TokenizeRequest(
                 req_id,
                 messages=[m.to_template() for m in chat.messages],
@@ -309,7 +330,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        req = parse_body(DetokenizeRequest, await read_json(request, limit))
+        req = parse_body(DetokenizeRequest, await read_body(request))
         check_model(req.model)
         check_admission()
         result = await frontend.detokenize(
@@ -364,6 +385,16 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         body, content_type = render_latest()  # every process's series (multiprocess mode)
         return Response(body, media_type=content_type)
 
+    document_bodies(
+        app,
+        {
+            "/v1/completions": (CompletionRequest,),
+            "/v1/chat/completions": (ChatCompletionRequest,),
+            "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+            "/detokenize": (DetokenizeRequest,),
+        },
+    )
+    app.add_middleware(InternalErrorMiddleware)  # type: ignore[arg-type]
     if settings.api_key:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)  # type: ignore[arg-type]
     if settings.enable_request_id_headers:  # outermost: even a 401 carries the id

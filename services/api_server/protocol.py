@@ -10,11 +10,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.config import RequestLimits
 from services.protocol import SamplingParams
 
-MAX_N = 128  # OpenAI's own cap on choices per request
-_INT64 = 2**63  # token ids travel as int64: larger ones are refused here, with a 400
+_INT64 = 2**63  # integers travel as int64: larger ones are refused here, with a 400
 TokenId = Annotated[int, Field(ge=0, lt=_INT64)]
+Int64 = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
 
 
 class ParamError(ValueError):
@@ -23,6 +24,21 @@ class ParamError(ValueError):
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def check_template_trust(
+    template: str | None, kwargs: dict[str, Any] | None, limits: RequestLimits
+) -> None:
+    """vLLM's rule: a request's own chat template (``chat_template``, or one in
+    ``chat_template_kwargs``) is code from the client, rendered only if the server trusts it."""
+    if limits.trust_request_chat_template:
+        return
+    if template is not None or (kwargs or {}).get("chat_template") is not None:
+        raise ParamError(
+            "chat_template",
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+        )
 
 
 class OpenAIBaseModel(BaseModel):
@@ -38,8 +54,8 @@ class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
-    seed: int | None = None
+    n: Int64 = 1
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,17 +64,17 @@ class _SamplingFields(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=-_INT64, lt=_INT64)]] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
-    priority: int = 0
-    prompt_logprobs: int | None = None
+    priority: Int64 = 0
+    prompt_logprobs: Int64 | None = None
     request_id: str | None = None  # the response id's suffix; an X-Request-Id header wins
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
@@ -111,14 +127,22 @@ class _SamplingFields(OpenAIBaseModel):
             bias[token_id] = min(100.0, max(-100.0, value))
         return bias
 
-    def check(self) -> None:
-        """Cross-field checks pydantic cannot express."""
+    def check(self, limits: RequestLimits) -> None:
+        """Cross-field checks pydantic cannot express, and the server's ``limits``."""
         if self.stream_options is not None and not self.stream:
             raise ParamError(
                 "stream_options", "Stream options can only be defined when `stream=True`."
             )
-        if not 1 <= self.n <= MAX_N:
-            raise ParamError("n", f"n must be in [1, {MAX_N}], got {self.n}.")
+        if not 1 <= self.n <= limits.max_n:
+            raise ParamError("n", f"n must be in [1, {limits.max_n}], got {self.n}.")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for param, words in (("stop", stops), ("bad_words", self.bad_words or [])):
+            if len(words) > limits.max_stop_strings:
+                raise ParamError(
+                    param,
+                    f"{param} has {len(words)} strings; this server takes at most "
+                    f"{limits.max_stop_strings} (--max-stop-strings).",
+                )
         if self.cache_salt is not None and not self.cache_salt:
             raise ParamError(
                 "cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided."
@@ -137,9 +161,9 @@ TokenIds = list[TokenId]
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     add_special_tokens: bool = True
 
     @property
@@ -194,10 +218,10 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template already adds BOS
     chat_template: str | None = None
@@ -206,8 +230,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def check(self) -> None:
-        super().check()
+    def check(self, limits: RequestLimits) -> None:
+        super().check(limits)
+        check_template_trust(self.chat_template, self.chat_template_kwargs, limits)
         if not self.messages:
             raise ParamError("messages", "messages must contain at least one message.")
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
@@ -233,9 +258,16 @@ class ChatCompletionRequest(_SamplingFields):
                 "response_format", f"response_format type {kind!r} is not supported (only 'text')."
             )
 
+    def template(self) -> str | None:
+        """The request's own chat template (vLLM also takes one in ``chat_template_kwargs``);
+        rendered only where ``check_template_trust`` let it through."""
+        given = (self.chat_template_kwargs or {}).get("chat_template")
+        return self.chat_template or (given if isinstance(given, str) else None)
+
     def template_kwargs(self) -> dict[str, Any]:
         """Extra chat-template variables: the request's own, and ``tools`` when given."""
         kwargs = dict(self.chat_template_kwargs or {})
+        kwargs.pop("chat_template", None)
         if self.tools:
             kwargs["tools"] = self.tools
         return kwargs

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import msgspec
 
+from services.config import RequestLimits
 from services.model_loader import TokenizerInfo
 from services.protocol import (
     DetokenizeRequest,
@@ -49,9 +50,13 @@ class RequestProcessor:
         tokenizer: TokenizerInfo,
         max_model_len: int,
         check_kv_transfer: Callable[[dict[str, Any]], None] | None = None,
+        limits: RequestLimits | None = None,
+        render_timer: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.limits = limits or RequestLimits()  # the chat template's time and size
+        self.render_timer = render_timer  # SIGALRM-bounded renders (the tokenizer process)
         # The KV connector's check of kv_transfer_params (--kv-transfer-config), if any.
         self.check_kv_transfer = check_kv_transfer
         self._vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -77,7 +82,10 @@ class RequestProcessor:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.tokenizer.bos_token,
                 eos_token=self.tokenizer.eos_token,
-                **cast(dict[str, Any], kwargs),
+                variables=cast(dict[str, Any], kwargs),
+                max_output_chars=self.limits.max_chat_prompt_chars,
+                timeout_s=self.limits.chat_template_render_timeout,
+                timer=self.render_timer,
             )
         except ChatTemplateError as e:
             raise PromptError(str(e), "messages") from None
@@ -128,6 +136,13 @@ class RequestProcessor:
         try:
             ids, text = self.prompt_ids(req)
             max_tokens = self.check_length(len(ids), req.sampling.max_tokens)
+            for param in ("logprobs", "prompt_logprobs"):  # --max-logprobs -1: the vocabulary
+                if (num := getattr(req.sampling, param) or 0) > self._vocab_size:
+                    raise PromptError(
+                        f"{param} must be at most the vocabulary size ({self._vocab_size}), "
+                        f"got {num}.",
+                        param,
+                    )
             if (bad := req.sampling.out_of_vocab_token(self._vocab_size)) is not None:
                 param, token_id = bad
                 raise PromptError(

@@ -140,6 +140,29 @@ def serve_tokenizer(
             closable.close()
 
 
+# What a tokenizer process may map beyond what it holds once loaded: chat templates run
+# here, and one that builds gigabytes (``s | replace('x', s)``) gets a MemoryError, a 400,
+# instead of the kernel's OOM killer taking the process (and the server) down.
+_TEMPLATE_MEMORY_BYTES = 4 << 30
+
+
+def _limit_memory(headroom: int) -> None:
+    """RLIMIT_AS = this process's address space now + ``headroom`` (unless already lower)."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:  # not Linux: no limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = mapped + headroom
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    if soft == resource.RLIM_INFINITY or soft > limit:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     """Child-process entry point: load the tokenizer, report READY, serve."""
     from services.model_loader import load_tokenizer
@@ -160,7 +183,10 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
         load_tokenizer(Path(config.model_folder)),
         config.engine.scheduler.resolved_max_model_len,
         params_check(config.engine),
+        config.limits,
+        render_timer=True,
     )
+    _limit_memory(_TEMPLATE_MEMORY_BYTES)
     from services.metrics.process_metrics import tokenizer_time
 
     def connected() -> None:
