@@ -105,7 +105,7 @@ class ProcessGroup:
         return min(dead, key=lambda c: c.popen.returncode >= 0, default=None)
 
     def first_stopped(self) -> Child | None:
-        """A live child that is stopped (SIGSTOP, SIGTSTP, a debugger): alive but silent, so
+        """A live child that is stopped (SIGSTOP, SIGTSTP): alive but silent, so
         whatever waits on it would wait forever. Read from ``/proc`` (Linux); elsewhere
         never."""
         for child in self.children:
@@ -137,13 +137,14 @@ class ProcessGroup:
 
 
 def _is_stopped(pid: int) -> bool:
-    """``/proc/PID/stat``'s state is T (stopped by a signal) or t (stopped by a tracer)."""
+    """``/proc/PID/stat``'s state is T: stopped by a signal (not t, a tracer's brief stop:
+    py-spy or strace on a child must not bring the server down)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"T"
 
 
 def watch_parent() -> None:

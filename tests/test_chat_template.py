@@ -168,6 +168,12 @@ def test_a_silent_loop_is_stopped_on_time():
         "{{ 'x'.zfill(20000000) }}",
         "{{ 'x' | center(20000000) }}",
         "{{ 'x' | indent(20000000, true) }}",
+        # per result, not per width: 100 widths, lines or tabs of a tenth of the bound each
+        "{{ ['%*d'] | format(20000000, 1) }}",
+        "{{ ('%1000000s' * 100) % ((1,) * 100) }}",
+        "{{ ('{:1000000}' * 100).format(*range(100)) }}",
+        "{{ ('\t' * 100).expandtabs(1000000) }}",
+        "{{ ('\n' * 100) | indent(1000000, true, true) }}",
     ],
 )
 def test_one_operation_cannot_build_something_huge(template):

@@ -233,11 +233,10 @@ class BoundedStreamingResponse(StreamingResponse):
         try:
             await super().stream_response(watched_send)
         except asyncio.CancelledError:
-            if not timed_out:
+            if not timed_out or task.uncancel() > 0:  # someone else cancelled it too
                 raise
-            task.uncancel()
             logger.warning(
-                "a streaming client took nothing for %.0f s (--stream-send-timeout): "
+                "a streaming client took nothing for %g s (--stream-send-timeout): "
                 "ending its stream and aborting its request",
                 self.send_timeout_s,
             )

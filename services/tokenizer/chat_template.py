@@ -63,42 +63,61 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _check_width(value: Any) -> None:
-    if isinstance(value, int) and value > MAX_ITEMS:
-        raise SecurityError(f"a width of {value} is past {MAX_ITEMS}")
-
-
 def _check_percent(fmt: str) -> None:
-    """``fmt % args``: a '*' width (taken from the arguments) or a huge width or precision."""
+    """``fmt % args``: a '*' width (taken from the arguments), or widths and precisions that
+    add up to more than ``MAX_ITEMS``."""
+    total = 0
     for spec in _PERCENT_SPEC.finditer(fmt):
         for size in spec.groups():
-            if size == "*" or (size is not None and int(size) > MAX_ITEMS):
-                raise SecurityError("'%' formatting with a '*' or huge width")
+            if size == "*":
+                raise SecurityError("'%' formatting with a '*' width")
+            total += int(size or 0)
+    if total > MAX_ITEMS:
+        raise SecurityError(f"'%' formatting widths add up to {total}, past {MAX_ITEMS}")
 
 
 def _check_format(fmt: str) -> None:
-    """``fmt.format(...)``: a width taken from the arguments (``{:{w}}``) or a huge one."""
+    """``fmt.format(...)``: a width taken from the arguments (``{:{w}}``), or widths that
+    add up to more than ``MAX_ITEMS``."""
+    total = 0
     for _, _, spec, _ in string.Formatter().parse(fmt):
-        if spec and ("{" in spec or any(int(n) > MAX_ITEMS for n in re.findall(r"\d+", spec))):
-            raise SecurityError("str.format with a nested or huge width")
+        if spec and "{" in spec:
+            raise SecurityError("str.format with a nested width")
+        total += sum(int(n) for n in re.findall(r"\d+", spec or ""))
+    if total > MAX_ITEMS:
+        raise SecurityError(f"str.format widths add up to {total}, past {MAX_ITEMS}")
 
 
-def _width_filter(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``center``/``indent``/``wordwrap`` refusing a width past ``MAX_ITEMS``."""
+def _check_padding(text: Any, name: str, width: Any) -> None:
+    """``text``'s padding ``name`` (``ljust``, ``expandtabs``, ``indent``, ...) to ``width``:
+    per line for ``indent``, per tab for ``expandtabs``."""
+    if not isinstance(width, int):
+        return
+    times = 1
+    if isinstance(text, str) and name == "indent":
+        times = text.count("\n") + 1
+    elif isinstance(text, str) and name == "expandtabs":
+        times = text.count("\t") + 1
+    if width * times > MAX_ITEMS:
+        raise SecurityError(f"{name} would pad to {width * times} characters, past {MAX_ITEMS}")
+
+
+def _width_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``center``/``indent``/``wordwrap`` refusing padding past ``MAX_ITEMS``."""
 
     @wraps(function)
     def bounded(value: Any, *args: Any, **kwargs: Any) -> Any:
         for arg in (*args, *kwargs.values()):
-            _check_width(arg)
+            _check_padding(value, name, arg)
         return function(value, *args, **kwargs)
 
     return bounded
 
 
 def _format_filter(fmt: Any, *args: Any, **kwargs: Any) -> str:
-    """Jinja's ``format`` filter (``fmt % args``) with the ``%`` operator's check."""
-    if isinstance(fmt, str):
-        _check_percent(fmt)
+    """Jinja's ``format`` filter (``fmt % args``, any ``fmt`` made a string) with the ``%``
+    operator's check."""
+    _check_percent(str(fmt))
     return str(jinja2.filters.do_format(fmt, *args, **kwargs))
 
 
@@ -139,7 +158,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             getattr(__obj, "__self__", None), str
         ):
             for arg in (*args, *kwargs.values()):
-                _check_width(arg)
+                _check_padding(__obj.__self__, __obj.__name__, arg)
         return super().call(__context, __obj, *args, **kwargs)
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
@@ -154,7 +173,7 @@ def _compile(template: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     for name in _WIDTH_FILTERS:
-        env.filters[name] = _width_filter(env.filters[name])
+        env.filters[name] = _width_filter(name, env.filters[name])
     env.filters["format"] = _format_filter
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -140,27 +140,30 @@ def serve_tokenizer(
             closable.close()
 
 
-# What a tokenizer process may map beyond what it holds once loaded: chat templates run
+# What a tokenizer process may allocate beyond what it holds once loaded: chat templates run
 # here, and one that builds gigabytes (``s | replace('x', s)``) gets a MemoryError, a 400,
 # instead of the kernel's OOM killer taking the process (and the server) down.
 _TEMPLATE_MEMORY_BYTES = 4 << 30
 
 
 def _limit_memory(headroom: int) -> None:
-    """RLIMIT_AS = this process's address space now + ``headroom`` (unless already lower)."""
+    """RLIMIT_DATA = this process's data now + ``headroom`` (unless already lower). The data
+    limit counts what is writable and private (the heap, anonymous maps), not the address
+    space merely reserved (malloc arenas, library mappings), so threads started later by
+    zmq or the tokenizers library do not eat into it."""
     import resource
 
     try:
-        with open("/proc/self/statm") as f:
-            mapped = int(f.read().split()[0]) * resource.getpagesize()
-    except OSError:  # not Linux: no limit
+        with open("/proc/self/status") as f:
+            data_kb = next(int(line.split()[1]) for line in f if line.startswith("VmData:"))
+    except (OSError, StopIteration):  # not Linux: no limit
         return
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = mapped + headroom
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = data_kb * 1024 + headroom
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     if soft == resource.RLIM_INFINITY or soft > limit:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
 def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
