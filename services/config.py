@@ -484,12 +484,8 @@ class RequestLimits:
     def from_cli(cls, args: argparse.Namespace) -> RequestLimits:
         given = {f.name: getattr(args, f.name, None) for f in fields(cls)}
         limits = cls(**{k: v for k, v in given.items() if v is not None})
-        for name in (
-            "max_request_body_bytes",
-            "max_n",
-            "max_stop_strings",
-            "max_chat_prompt_chars",
-        ):
+        counts = [f.name for f in fields(cls) if f.type == "int" and f.name != "max_logprobs"]
+        for name in counts:
             if getattr(limits, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if limits.max_logprobs < -1:

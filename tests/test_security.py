@@ -122,3 +122,25 @@ def test_the_scan_finds_what_it_looks_for(tmp_path, monkeypatch):
         "torch.load() without weights_only=True",
         "numpy.load(allow_pickle=True)",
     ]
+
+
+def test_every_count_limit_must_be_positive():
+    """Each count flag of RequestLimits refuses 0 (derived from the fields, none forgotten)."""
+    import argparse
+    import dataclasses
+
+    import pytest
+
+    from services.config import ConfigError, RequestLimits
+
+    counts = [
+        f.name
+        for f in dataclasses.fields(RequestLimits)
+        if f.type == "int" and f.name != "max_logprobs"
+    ]
+    assert "max_sequences_per_request" in counts and len(counts) == 5
+    for name in counts:
+        with pytest.raises(ConfigError, match="must be at least 1"):
+            RequestLimits.from_cli(argparse.Namespace(**{name: 0}))
+    with pytest.raises(ConfigError, match="positive number"):
+        RequestLimits.from_cli(argparse.Namespace(stream_send_timeout=float("nan")))
