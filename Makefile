@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test test-slow lint bench gpu-check clean
+.PHONY: install demo serve test test-slow soak lint bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# 20 minutes of mixed traffic at 80 % of the measured capacity, then memory, KV and counter
+# checks (bench/out/soak.json and .png); test-slow runs a 2-minute one.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak
 
 lint: $(STAMP)
 	$(BIN)/ruff check services kernels launch bench tests

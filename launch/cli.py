@@ -134,6 +134,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="add an X-Request-Id header to every response (the request's own, or a new one)",
     )
+    p.add_argument(
+        "--restart-on-failure",
+        action="store_true",
+        help="when an engine process (tokenizer, scheduler, worker, detokenizer) dies, restart "
+        "them all while the API server keeps its port and answers 503; without it the server "
+        "exits. In-flight requests end with an error.",
+    )
+    p.add_argument(
+        "--retry-waiting-on-restart",
+        action="store_true",
+        help="with --restart-on-failure: requests that had no output yet when the engine died "
+        "wait for the new engine and run there (once), instead of failing",
+    )
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument(
         "--headless",

@@ -113,21 +113,25 @@ class ProcessGroup:
                 return child
         return None
 
-    def stop_all(self, timeout: float = 5.0) -> None:
-        """SIGTERM every child (and SIGCONT, so a stopped one handles it), wait up to
+    def stop(self, children: list[Child], timeout: float = 5.0) -> None:
+        """SIGTERM these children (and SIGCONT, so a stopped one handles it), wait up to
         ``timeout`` seconds, then SIGKILL the rest."""
-        for child in self.children:
+        for child in children:
             child.expected_exit = True
             if child.popen.poll() is None:
                 child.popen.send_signal(signal.SIGTERM)
                 child.popen.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + timeout
-        for child in self.children:
+        for child in children:
             try:
                 child.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.popen.kill()
                 child.popen.wait()
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        """``stop`` every child, then close the death pipe."""
+        self.stop(self.children, timeout)
         # Close once: a second stop_all must not close whatever reused the numbers.
         for fd in (self._death_r, self._death_w):
             if fd >= 0:

@@ -7,9 +7,14 @@ from it, and their start-up hides behind the model load), then the scheduler
 so that the port opens only when the engine behind it can serve. Each child
 reports READY on the control socket.
 
-Supervision: if any child dies, the api_server is told (every in-flight
-request ends with an error, ``/health`` turns 503), the rest are stopped and
-the launcher exits non-zero. SIGTERM (or Ctrl-C) drains: the api_server stops
+Supervision: if any child dies (or is stopped by a signal), the api_server is
+told (every in-flight request ends with an error, ``/health`` turns 503), the
+rest are stopped and the launcher exits non-zero. With ``--restart-on-failure``
+a dead engine process (anything but the api_server) instead restarts the engine
+group: every child but the api_server is stopped and started again, while the
+api_server keeps its port and answers 503; once all are READY it serves again
+(and with ``--retry-waiting-on-restart`` sends the requests that were still
+waiting to the new engine). SIGTERM (or Ctrl-C) drains: the api_server stops
 accepting (503), lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, aborts the rest; then everything exits 0.
 """
@@ -51,7 +56,7 @@ from services.kv_transfer.config import KVTransferConfig
 from services.logging_utils import init_logger
 from services.metrics.registry import create_multiproc_dir, remove_multiproc_dir
 from services.model_loader import load_hf_config, prepare_engine_model
-from services.protocol import ApiServerInput, EngineDead, Ready
+from services.protocol import ApiServerInput, EngineDead, EngineRestarted, Ready
 
 logger = init_logger(__name__)
 
@@ -93,6 +98,9 @@ class Launcher:
         self._ready: list[Ready] = []  # READYs received, not yet waited for
         self.nodes: EngineNodes | None = None  # node 0's engine nodes, if any
         self.tick: Callable[[], None] | None = None  # called while waiting (an engine node's)
+        self._api_socket: PushSocket[ApiServerInput] | None = None  # to the api_server
+        # --restart-on-failure picks a new rendezvous port only if one was chosen at start
+        self.master_port_chosen = False
 
     def _start(self, role: str, *extra: str, name: str | None = None) -> Child:
         return self.group.start(
@@ -151,9 +159,21 @@ class Launcher:
 
     def start(self) -> None:
         """Node 0: every process of the server (and the engine nodes' engine cores)."""
-        parallel = self.config.engine.parallel
-        if parallel.engines_span_nodes:
+        if self.config.engine.parallel.engines_span_nodes:
             self.nodes = EngineNodes(self.config)
+        self._start_engine_group()
+        self._start("api_server")
+        self._wait_ready(Counter(api_server=1), 120)
+        ep = self.config.endpoints
+        if ep.kv_events == "auto":  # a restarted engine core binds the same ports again
+            ep.kv_events_bound = {
+                p.data_parallel_rank: (p.endpoint, p.replay_endpoint)
+                for p in self.config.kv_event_publishers
+            }
+
+    def _start_engine_group(self) -> None:
+        """Every process but the api_server: worker ranks, detokenizer, tokenizers, schedulers."""
+        parallel = self.config.engine.parallel
         for d in parallel.local_engines:
             start_worker_ranks(self.group, self.config, self._env, d)
         if self.nodes is not None:
@@ -167,8 +187,6 @@ class Launcher:
         remote = len(self.nodes.remote) if self.nodes is not None else 0
         expected = {"detokenizer": 1, "tokenizer": self.config.tokenizer_workers}
         self._wait_ready(Counter({**expected, "remote engine": remote}), 900)
-        self._start("api_server")
-        self._wait_ready(Counter(api_server=1), 120)
 
     def start_engines(self) -> None:
         """An engine node: the worker ranks and schedulers of its engine cores only."""
@@ -197,24 +215,71 @@ class Launcher:
         ]
 
     def supervise(self) -> int:
-        """Block until a child dies (exit 1) or a drain completes (exit 0)."""
+        """Block until a child dies (exit 1, or a restart with ``--restart-on-failure``) or
+        a drain completes (exit 0)."""
         api = next(c for c in self.group.children if c.name == "api_server")
         while True:
             if self._stop_requested:
                 return self._drain(api)
-            dead = self.group.first_dead()
-            if dead is not None:
-                reason = f"the {dead.name} process died (exit code {dead.popen.returncode})"
-                return self._on_death(reason, api)
-            stopped = self.group.first_stopped()
-            if stopped is not None:
-                reason = f"the {stopped.name} process was stopped (pid {stopped.popen.pid})"
-                return self._on_death(reason, api)
-            if self.nodes is not None:
-                self.nodes.poll()  # statuses: liveness and metrics
-                if (failure := self.nodes.failure()) is not None:
-                    return self._on_death(failure, api)
+            failed, reason = self._failure()
+            if reason is not None:
+                if not self.config.restart_on_failure or failed is api:
+                    return self._on_death(reason, api)
+                if (code := self._restart(reason, api)) is not None:
+                    return code
             time.sleep(_POLL_MS / 1000)
+
+    def _failure(self) -> tuple[Child | None, str | None]:
+        """The child that died or was stopped and why; an engine node's failure (no child)."""
+        dead = self.group.first_dead()
+        if dead is not None:
+            return dead, f"the {dead.name} process died (exit code {dead.popen.returncode})"
+        stopped = self.group.first_stopped()
+        if stopped is not None:
+            return stopped, f"the {stopped.name} process was stopped (pid {stopped.popen.pid})"
+        if self.nodes is not None:
+            self.nodes.poll()  # statuses: liveness and metrics
+            return None, self.nodes.failure()
+        return None, None
+
+    def _restart(self, reason: str, api: Child) -> int | None:
+        """``--restart-on-failure``: stop every child but the api_server (503s meanwhile),
+        start them again, tell the api_server. None once serving again; the exit code if the
+        new engine did not start or a stop was asked for meanwhile."""
+        began = time.monotonic()
+        logger.error("%s; restarting the engine (--restart-on-failure)", reason)
+        self._tell_api(EngineDead(f"The engine stopped: {reason}.", restarting=True))
+        engine = [c for c in self.group.children if c is not api]
+        self.group.stop(engine)
+        self.group.children = [c for c in self.group.children if c not in engine]
+        self._ready.clear()
+        stopped_s = time.monotonic() - began
+        parallel = self.config.engine.parallel
+        if self.master_port_chosen:  # the old rendezvous port may still be in TIME_WAIT
+            parallel.master_port = None
+            resolve_master_port(parallel)
+        try:
+            self._start_engine_group()
+        except StartupError as e:
+            return self._on_death(f"the engine did not restart: {e}", api)
+        except KeyboardInterrupt:  # SIGTERM while restarting: nothing left to finish
+            self._tell_api(EngineDead("The server is shutting down."))
+            return self._drain(api)
+        recovery_s = time.monotonic() - began
+        logger.warning(
+            "the engine restarted in %.1f s (old processes stopped in %.1f s); serving again",
+            recovery_s,
+            stopped_s,
+        )
+        self._tell_api(EngineRestarted(recovery_s))
+        return None
+
+    def _tell_api(self, msg: ApiServerInput) -> None:
+        if self._api_socket is None:
+            self._api_socket = PushSocket[ApiServerInput](
+                self.config.endpoints.api_outputs, ApiServerInput
+            )
+        self._api_socket.send(msg)
 
     def _drain(self, api: Child) -> int:
         logger.info(
@@ -246,14 +311,18 @@ class Launcher:
         """A child, or an engine node, died: fail every request, stop everything."""
         logger.error("%s; shutting the server down", reason)
         if api.popen.poll() is None:
-            s = PushSocket[ApiServerInput](self.config.endpoints.api_outputs, ApiServerInput)
-            s.send(EngineDead(f"The engine stopped: {reason}."))
-            # Our sockets close with linger 0, which would drop this message if
-            # the connection is not up yet: wait for it to leave instead.
-            s.socket.close(linger=2000)
+            self._tell_api(EngineDead(f"The engine stopped: {reason}."))
+            self.close_api_socket()
             time.sleep(1.0)  # let in-flight requests receive their error
         self.group.stop_all()
         return 1
+
+    def close_api_socket(self) -> None:
+        if self._api_socket is not None:
+            # Our sockets close with linger 0, which would drop a message if the
+            # connection is not up yet: wait for it to leave instead.
+            self._api_socket.socket.close(linger=2000)
+            self._api_socket = None
 
     def request_stop(self, *_: object) -> None:
         self._stop_requested = True
@@ -370,6 +439,20 @@ def _check_headless(parallel: ParallelConfig, headless: bool) -> None:
         )
 
 
+def _check_restart(config: ServeConfig, headless: bool) -> None:
+    """``--restart-on-failure`` restarts the processes of one machine's server."""
+    parallel = config.engine.parallel
+    if config.retry_waiting_on_restart and not config.restart_on_failure:
+        raise ConfigError("--retry-waiting-on-restart needs --restart-on-failure")
+    if config.restart_on_failure and (
+        headless or parallel.nnodes > 1 or parallel.engines_span_nodes
+    ):
+        raise ConfigError(
+            "--restart-on-failure restarts the engine processes of a one-machine server; "
+            "it does not work with --nnodes > 1, --headless or engine cores on other machines"
+        )
+
+
 def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: str | None) -> None:
     """``--kv-events-endpoint ENDPOINT|auto`` or vLLM's ``--kv-events-config JSON``
     (``enable_kv_cache_events``, ``publisher`` "zmq", ``endpoint``, ``replay_endpoint``,
@@ -406,7 +489,7 @@ def run_server(args: object) -> int:
     model = engine.model.model
     folder = prepare_engine_model(model, engine.model.load_format, engine.worker.sim_model)
     engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))
-    resolve_master_port(engine.parallel)
+    master_port_chosen = resolve_master_port(engine.parallel)
     if engine.worker.worker_backend == "sim" and engine.worker.sim_speed != 1.0:
         os.environ.update(clock.set_sim_speed(engine.worker.sim_speed))  # children inherit it
     a = vars(args)
@@ -429,6 +512,8 @@ def run_server(args: object) -> int:
         max_num_queued_reqs=a.get("max_num_queued_reqs"),
         limits=RequestLimits.from_cli(args),  # type: ignore[arg-type]
         enable_request_id_headers=bool(a.get("enable_request_id_headers")),
+        restart_on_failure=bool(a.get("restart_on_failure")),
+        retry_waiting_on_restart=bool(a.get("retry_waiting_on_restart")),
         tokenizer_workers=a["tokenizer_workers"],
         log_level=a["uvicorn_log_level"],
         log_stats_interval=a.get("log_stats_interval") or 10.0,
@@ -443,6 +528,7 @@ def run_server(args: object) -> int:
         raise ConfigError("--log-stats-interval must be positive")
     parallel = engine.parallel
     _check_headless(parallel, bool(a.get("headless")))
+    _check_restart(config, bool(a.get("headless")))
     if parallel.node_rank > 0:
         try:
             return run_headless(config)
@@ -453,6 +539,7 @@ def run_server(args: object) -> int:
     if parallel.engines_span_nodes:
         config.endpoints.detok_tokens = head_endpoints(parallel)[1]
     launcher = Launcher(config, ipc)
+    launcher.master_port_chosen = master_port_chosen
     signal.signal(signal.SIGTERM, launcher.request_stop)
     signal.signal(signal.SIGINT, launcher.request_stop)
     metrics_dir = create_multiproc_dir()  # before any child starts: they inherit it
@@ -472,6 +559,7 @@ def run_server(args: object) -> int:
         return 0
     finally:
         launcher.group.stop_all()
+        launcher.close_api_socket()
         launcher.control.close()
         if launcher.nodes is not None:
             launcher.nodes.close()

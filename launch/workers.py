@@ -19,11 +19,12 @@ from services.scheduler.executor import MultiprocExecutor
 _POLL_MS = 200
 
 
-def resolve_master_port(parallel: ParallelConfig) -> None:
-    """Pick free ports on ``--master-addr`` for the ranks' rendezvous, unless one was given:
-    data-parallel engine d's ranks meet at ``master_port + d``."""
+def resolve_master_port(parallel: ParallelConfig) -> bool:
+    """Pick free ports on ``--master-addr`` for the ranks' rendezvous, unless one was given
+    (or one rank needs none): data-parallel engine d's ranks meet at ``master_port + d``.
+    True if it picked them."""
     if parallel.world_size == 1 or parallel.master_port is not None:
-        return
+        return False
     for _ in range(100):
         with socket.socket() as s:
             s.bind((parallel.master_addr, 0))
@@ -35,7 +36,7 @@ def resolve_master_port(parallel: ParallelConfig) -> None:
         except OSError:
             continue
         parallel.master_port = first
-        return
+        return True
     raise RuntimeError(f"found no {parallel.data_parallel_size} free consecutive ports")
 
 

@@ -395,6 +395,9 @@ class Endpoints:
     engine_state: str = ""  # scheduler binds (PUB) -> tokenizers: load and cached blocks (DP)
     # Engine cores on other machines (--data-parallel-size-local): their own addresses.
     remote_engines: dict[int, EngineAddresses] = field(default_factory=dict)
+    # ``auto`` KV event sockets as first bound, by engine: a restarted engine binds them again
+    # (routers subscribed to those addresses).
+    kv_events_bound: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     # Each data-parallel engine core has its own of these; engine 0 keeps the plain names.
     _PER_ENGINE = ("engine_core", "step_plans", "step_results", "engine_state")
@@ -403,13 +406,15 @@ class Endpoints:
         """The endpoints as engine ``dp_rank`` sees them: its own input, plan, result and
         state sockets (``name_{dp_rank}``; input and state at its TCP addresses when it runs
         on another machine), and for KV events a TCP port offset by the rank (as vLLM does)."""
-        if dp_rank == 0 and not self.remote_engines:
+        if dp_rank == 0 and not self.remote_engines and not self.kv_events_bound:
             return self
         suffix = f"_{dp_rank}" if dp_rank else ""
         own = {name: getattr(self, name) + suffix for name in self._PER_ENGINE}
         if (remote := self.remote_engines.get(dp_rank)) is not None:
             own.update(engine_core=remote.engine_core, engine_state=remote.engine_state)
         kv, replay = (_offset_endpoint(e, dp_rank) for e in (self.kv_events, self.kv_events_replay))
+        if (bound := self.kv_events_bound.get(dp_rank)) is not None:
+            kv, replay = bound[0], bound[1] or None
         return dataclasses.replace(self, kv_events=kv, kv_events_replay=replay, **own)
 
     def engines(self, data_parallel_size: int) -> list[Endpoints]:
@@ -511,6 +516,9 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     enable_request_id_headers: bool = False
+    # --restart-on-failure: a dead engine process restarts the engine group, the port stays
+    restart_on_failure: bool = False
+    retry_waiting_on_restart: bool = False  # requests with no output yet go to the new engine
     tokenizer_workers: int = 1
     num_blocks: int = 0  # measured by the worker, given to the scheduler
     kv_block_bytes: int = 0  # one block's bytes over all ranks of an engine (workers report)

@@ -266,7 +266,7 @@ class TokenBatch(msgspec.Struct, **_STRUCT):
 #   tokenizer   -PUSH RequestOutputSpec->  detokenizer    (sent before the TokenizedRequest)
 #   scheduler   -PUSH TokenBatch->         detokenizer
 #   tokenizer, detokenizer -PUSH ApiServerInput-> api_server
-#   launcher    -PUSH ApiServerInput->     api_server     (EngineDead)
+#   launcher    -PUSH ApiServerInput->     api_server     (EngineDead, EngineRestarted)
 #
 # The scheduler's side of the contract: for every TokenizedRequest it accepts it
 # sends exactly one RequestTokens with finish_reason set (aborted and
@@ -470,12 +470,23 @@ class DetokenizeResult(msgspec.Struct, **_TAGGED):
 
 
 class EngineDead(msgspec.Struct, **_TAGGED):
-    """From the launcher: an engine process died; fail live requests, answer 503 from now on."""
+    """From the launcher: an engine process died; fail live requests, answer 503 from now on.
+    ``restarting`` (``--restart-on-failure``): a new engine is on its way, and requests that
+    were still waiting may be kept for it (``--retry-waiting-on-restart``)."""
 
     reason: str
+    restarting: bool = False
 
 
-ApiServerInput = TextDeltaBatch | RequestError | TokenizeResult | DetokenizeResult | EngineDead
+class EngineRestarted(msgspec.Struct, **_TAGGED):
+    """From the launcher: the new engine group is up; serve again, resend kept requests."""
+
+    recovery_s: float  # from the death seen to every new process ready
+
+
+ApiServerInput = (
+    TextDeltaBatch | RequestError | TokenizeResult | DetokenizeResult | EngineDead | EngineRestarted
+)
 
 
 # ---- KV events: scheduler -PUB KVEventBatch-> router (prefix_precise)

@@ -21,8 +21,12 @@ from services.protocol import (
     ApiServerInput,
     EngineCoreInput,
     EngineDead,
+    EngineRestarted,
+    GenerateBatch,
     GenerateRequest,
     SamplingParams,
+    TextDelta,
+    TextDeltaBatch,
     TokenizeRequest,
     TokenizeResult,
     TokenizerInput,
@@ -185,3 +189,135 @@ def test_tokenize_calls_are_no_engine_load() -> None:
     front._release("tok-1")
     front._release("gen-1")
     assert (front.num_live, front.num_in_flight, front.num_waiting) == (0, 0, 0)
+
+
+class _Peers:
+    """A tokenizer (PULL, drained by ``batches``) and a launcher/detokenizer (PUSH)."""
+
+    def __init__(self, endpoints: FrontendEndpoints) -> None:
+        self.tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
+        self.back = PushSocket[ApiServerInput](endpoints.outputs, ApiServerInput)
+
+    async def batches(self, count: int) -> list[list[str]]:
+        """The request ids of the next ``count`` messages the tokenizer gets."""
+        got: list[list[str]] = []
+        deadline = time.monotonic() + 5
+        while len(got) < count and time.monotonic() < deadline:
+            msg = self.tokenizer.recv(timeout_ms=0)
+            if isinstance(msg, GenerateBatch):
+                got.append([r.req_id for r in msg.requests])
+            elif msg is not None:
+                got.append([msg.req_id])  # type: ignore[union-attr]
+            await asyncio.sleep(0.01)
+        return got
+
+    def close(self) -> None:
+        self.tokenizer.close()
+        self.back.close()
+
+
+def _delta(req_id: str, finish: str | None = None) -> TextDeltaBatch:
+    return TextDeltaBatch([TextDelta(req_id, "t", [1], finish_reason=finish)])
+
+
+def test_restart_keeps_waiting_groups_and_sends_them_again_once(endpoints):
+    """--retry-waiting-on-restart: a group with output and a tokenize call fail with the
+    death; groups with no output yet wait, go to the new engine under the same ids, and
+    finish there; a group that was kept once fails at the next death."""
+
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100, retry_waiting_on_restart=True)
+        recoveries: list[float] = []
+        front.on_restarted = recoveries.append
+        await front.start()
+        peers = _Peers(endpoints)
+        started = asyncio.create_task(_drain(front, [_gen("a0")]))
+        waiting = asyncio.create_task(_drain(front, [_gen("b0"), _gen("b1")]))
+        unlucky = asyncio.create_task(_drain(front, [_gen("c0")]))
+        tokenize = asyncio.create_task(front.tokenize(TokenizeRequest("t0", prompt="hi")))
+        assert sorted(await peers.batches(4)) == [["a0"], ["b0", "b1"], ["c0"], ["t0"]]
+        peers.back.send(_delta("a0"))
+        await asyncio.sleep(0.1)
+        assert front.num_waiting == 3  # b0, b1, c0
+
+        peers.back.send(EngineDead("the worker died", restarting=True))
+        for task in (started, tokenize):
+            with pytest.raises(EngineRequestError) as err:
+                await asyncio.wait_for(task, 5)
+            assert (err.value.status, err.value.message) == (503, "the worker died")
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and not unlucky.done()
+        assert front.unavailable is not None and "restarting" in front.unavailable
+        with pytest.raises(EngineRequestError) as err:
+            await _drain(front, [_gen("new")])
+        assert err.value.status == 503 and "restarting" in err.value.message
+        assert front.num_waiting == 3 and front.num_live == 3
+
+        peers.back.send(EngineRestarted(2.5))
+        assert sorted(await peers.batches(2)) == [["b0", "b1"], ["c0"]]
+        assert recoveries == [2.5] and front.unavailable is None
+        peers.back.send(_delta("b0", "length"))
+        peers.back.send(_delta("b1", "stop"))
+        items = await asyncio.wait_for(waiting, 5)
+        assert [(i, d.req_id, d.finish_reason) for i, d in items] == [
+            (0, "b0", "length"),
+            (1, "b1", "stop"),
+        ]
+
+        peers.back.send(EngineDead("the worker died again", restarting=True))
+        with pytest.raises(EngineRequestError) as err:
+            await asyncio.wait_for(unlucky, 5)
+        assert err.value.message == "the worker died again"
+        assert front.num_live == 0 and front.num_waiting == 0
+        assert await peers.batches(1) == []  # nothing was sent a third time
+        peers.close()
+        await front.close()
+
+    asyncio.run(main())
+
+
+def test_restart_without_retry_fails_waiting_groups_and_serves_again(endpoints):
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100)
+        await front.start()
+        peers = _Peers(endpoints)
+        waiting = asyncio.create_task(_drain(front, [_gen("w0")]))
+        assert await peers.batches(1) == [["w0"]]
+        peers.back.send(EngineDead("the scheduler died", restarting=True))
+        with pytest.raises(EngineRequestError) as err:
+            await asyncio.wait_for(waiting, 5)
+        assert err.value.status == 503
+        assert front.errored and front.unavailable is not None
+        peers.back.send(EngineRestarted(1.0))
+        await asyncio.sleep(0.1)
+        assert not front.errored and front.unavailable is None
+        after = asyncio.create_task(_drain(front, [_gen("w1")]))
+        assert await peers.batches(1) == [["w1"]]
+        peers.back.send(_delta("w1", "length"))
+        assert len(await asyncio.wait_for(after, 5)) == 1
+        peers.close()
+        await front.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_restart_fails_the_kept_groups(endpoints):
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100, retry_waiting_on_restart=True)
+        await front.start()
+        peers = _Peers(endpoints)
+        kept = asyncio.create_task(_drain(front, [_gen("k0")]))
+        assert await peers.batches(1) == [["k0"]]
+        peers.back.send(EngineDead("the detokenizer died", restarting=True))
+        await asyncio.sleep(0.2)
+        assert not kept.done()
+        peers.back.send(EngineDead("the engine did not restart"))
+        with pytest.raises(EngineRequestError) as err:
+            await asyncio.wait_for(kept, 5)
+        assert err.value.message == "the engine did not restart"
+        assert front.unavailable == "The engine is not running."
+        assert front.num_live == 0
+        peers.close()
+        await front.close()
+
+    asyncio.run(main())

@@ -1,7 +1,9 @@
 """Fault tests: each starts its own short-lived ``actorserve serve`` and breaks it.
 
 What must hold: a dead engine process turns in-flight requests into errors
-and takes the whole server down (exit non-zero); SIGTERM drains (in-flight
+and takes the whole server down (exit non-zero), or with ``--restart-on-failure``
+restarts the engine behind the same port (requests still waiting run there with
+``--retry-waiting-on-restart``); SIGTERM drains (in-flight
 requests finish, every process exits 0); ``kill -9`` of the launcher leaves no
 orphan; a client that hangs up gives its KV blocks back. After every test no
 process of the server's process group is left (``RemoteServer.close``
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.server_utils import RemoteServer, metric, wait_metric
@@ -222,11 +225,11 @@ def test_child_death_during_startup_fails_fast(make_server) -> None:
     _assert_all_gone(server, 5)
 
 
-def _fault(role: str, sig: signal.Signals, make_server) -> None:
+def _fault(role: str, sig: signal.Signals, make_server, *flags: str) -> None:
     """Under load (two streams and two plain requests in flight), ``sig`` to the ``role``
     process: every request ends with an error within 20 s (none waits forever), the
     launcher names the process and exits non-zero, and no process is left."""
-    server = make_server().wait_ready()
+    server = make_server(*flags).wait_ready()
     pid = server.children()[role]
     streams = [StreamInThread(server.url, f"Story number {i}:", 400) for i in range(2)]
     for s in streams:
@@ -290,3 +293,113 @@ _ROLES = ("api_server", "tokenizer", "scheduler", "worker", "detokenizer")
 @pytest.mark.parametrize("role", _ROLES)
 def test_every_process_kind_killed_or_stopped_under_load(role, sig, make_server) -> None:
     _fault(role, sig, make_server)
+
+
+def _post_completion(url: str, prompt: str, max_tokens: int, out: list) -> None:
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=180,
+                       json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                             "temperature": 0})  # fmt: skip
+        out.append(r)
+    except httpx.HTTPError as e:
+        out.append(e)
+
+
+def _restart(role: str, sig: signal.Signals, make_server) -> None:
+    """``--restart-on-failure --retry-waiting-on-restart`` with one request running and two
+    waiting behind it (``--max-num-seqs 1``): ``sig`` to ``role``. The running stream ends
+    with the engine's error event; meanwhile /health and new requests get 503; the new
+    engine (new processes, same api_server and port) runs the two waiting requests to the
+    same greedy text a fresh request gets, with an empty KV cache after; SIGTERM then
+    drains and every process exits."""
+    server = make_server(
+        "--restart-on-failure", "--retry-waiting-on-restart", "--max-num-seqs", "1"
+    ).wait_ready()
+    before = server.children()
+    running = StreamInThread(server.url, "Story number 1:", 400)
+    assert running.first.wait(120), server.log
+    waiting_stream = StreamInThread(server.url, "Count to five:", 12)
+    waiting_plain: list = []
+    plain = threading.Thread(
+        target=_post_completion, args=(server.url, "Tale 2:", 12, waiting_plain), daemon=True
+    )
+    plain.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/load", timeout=10).json()["num_requests_waiting"] < 2:
+        assert time.monotonic() < deadline, "the two requests never queued"
+        time.sleep(0.05)
+    hit_at = time.monotonic()
+    os.kill(before[role], sig)
+    try:
+        refused: dict | None = None
+        health: list[int] = []
+        while 503 not in health or health[-1] != 200:  # the launcher sees it, then recovers
+            assert 503 in health or time.monotonic() - hit_at < 10, "still healthy"
+            assert time.monotonic() - hit_at < 180, f"no recovery:\n{server.log}"
+            assert server.popen.poll() is None, server.log
+            health.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
+            if health[-1] == 503 and refused is None:
+                r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=10)
+                if r.status_code == 503:
+                    refused = r.json()["error"]
+            time.sleep(0.1)
+        serving_at = time.monotonic()
+        assert refused is not None and "restarting" in refused["message"], refused
+
+        running.join(60)
+        assert isinstance(running.error, openai.APIError), repr(running.error)
+        assert not isinstance(running.error, openai.APIConnectionError), repr(running.error)
+        assert "engine stopped" in str(running.error), repr(running.error)
+        assert running.ended_at is not None and running.ended_at - hit_at < 20
+
+        waiting_stream.join(120)
+        plain.join(120)
+        assert waiting_stream.error is None, repr(waiting_stream.error)
+        assert waiting_stream.usage is not None and waiting_stream.usage.completion_tokens == 12
+        [r] = waiting_plain
+        assert isinstance(r, httpx.Response) and r.status_code == 200, r
+        again: list = []
+        _post_completion(server.url, "Tale 2:", 12, again)
+        assert again[0].json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+
+        after = server.children()
+        assert after["api_server"] == before["api_server"]
+        assert after[role] != before[role]
+        assert not psutil.pid_exists(before[role]) or psutil.Process(before[role]).status() == (
+            psutil.STATUS_ZOMBIE
+        )
+        assert metric(server, "actorserve:engine_restarts_total") == 1.0
+        recovery_s = metric(server, "actorserve:engine_recovery_seconds_sum")
+        assert recovery_s is not None and 0 < recovery_s < serving_at - hit_at
+        assert wait_metric(server, "vllm:kv_cache_usage_perc", 0.0, timeout_s=20)
+        assert wait_metric(server, "vllm:num_requests_running", 0.0, timeout_s=20)
+        name = "worker rank 0" if role == "worker" else role
+        verb = "was stopped" if sig == signal.SIGSTOP else "died"
+        assert f"the {name} process {verb}" in server.log, server.log
+        assert "the engine restarted in" in server.log
+        print(f"\nRESTART {role} {sig.name}: serving again {recovery_s:.1f} s after the "
+              f"launcher saw it ({serving_at - hit_at:.1f} s after the signal, as polled)")  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before[role], signal.SIGCONT)
+    server.popen.send_signal(signal.SIGTERM)
+    assert server.wait_exit(60) == 0, server.log
+    _assert_all_gone(server, 5)
+
+
+def test_restart_on_failure_after_a_worker_is_killed(make_server) -> None:
+    _restart("worker", signal.SIGKILL, make_server)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill9", "sigstop"])
+@pytest.mark.parametrize("role", ("tokenizer", "scheduler", "worker", "detokenizer"))
+def test_restart_on_failure_for_every_engine_process(role, sig, make_server) -> None:
+    _restart(role, sig, make_server)
+
+
+@pytest.mark.slow
+def test_restart_on_failure_does_not_cover_the_api_server(make_server) -> None:
+    """The api_server holds the port and every client connection: its death still ends
+    the server (exit 1, no orphans), with or without the flag."""
+    _fault("api_server", signal.SIGKILL, make_server, "--restart-on-failure")

@@ -45,7 +45,7 @@ from services.api_server.protocol import (
     check_template_trust,
 )
 from services.config import RequestLimits
-from services.metrics.process_metrics import api_requests
+from services.metrics.process_metrics import api_requests, engine_restarts
 from services.metrics.registry import render_latest
 from services.protocol import DetokenizeRequest as EngineDetokenizeRequest
 from services.protocol import GenerateRequest, SamplingParams, TokenizeRequest, choice_params
@@ -82,6 +82,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="actorserve", version=VERSION, lifespan=lifespan)
     names = settings.served_model_names
     requests_sent = api_requests(names[0] if names else "")
+    frontend.on_restarted = engine_restarts(names[0] if names else "")
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -122,10 +123,8 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             )
 
     def check_admission() -> None:
-        if frontend.errored:
-            raise APIError(503, "The engine is not running.")
-        if frontend.draining:
-            raise APIError(503, "The server is shutting down.")
+        if (why := frontend.unavailable) is not None:
+            raise APIError(503, why)
 
     def pinned_rank(request: Request) -> int | None:
         """vLLM's ``X-data-parallel-rank`` header: run on that engine core (the tokenizer

@@ -3,6 +3,11 @@
 Requests go to the tokenizer processes; aborts go to the scheduler; text
 deltas (from the detokenizer) and errors and tokenize results (from the
 tokenizers) all come back on one PULL socket, routed here by request id.
+
+When the engine dies the launcher says so on the same socket (``EngineDead``): every live
+request ends with a 503. With ``--restart-on-failure`` a new engine follows
+(``EngineRestarted``); with ``--retry-waiting-on-restart`` a request group that had no
+output yet is kept meanwhile and sent again to the new engine, once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from services.protocol import (
     DetokenizeResult,
     EngineCoreInput,
     EngineDead,
+    EngineRestarted,
     GenerateBatch,
     GenerateRequest,
     RequestError,
@@ -55,12 +61,29 @@ class FrontendEndpoints:
     engine_cores: tuple[str, ...]  # each scheduler's PULL (Abort, to all of them)
 
 
+class _Marker:
+    """What ``fail_all`` and ``restarted`` put in a kept group's queue."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_KEPT = _Marker("KEPT")  # the engine died; the group waits for the next one
+_RESEND = _Marker("RESEND")  # the next engine is up: send the group again
+
+_Item = TextDelta | RequestError | TokenizeResult | DetokenizeResult | _Marker
+
+
 @dataclass
 class _Live:
-    queue: asyncio.Queue[tuple[int, TextDelta | RequestError | TokenizeResult | DetokenizeResult]]
+    queue: asyncio.Queue[tuple[int, _Item]]
     index: int
     waiting: bool = True  # no output yet: counts against max_num_queued_reqs
     generates: bool = True  # an engine request (not a tokenize or detokenize call)
+    kept: bool = False  # waiting for the restarted engine (--retry-waiting-on-restart)
 
 
 class EngineFrontend:
@@ -71,14 +94,25 @@ class EngineFrontend:
     group until each has a delta with ``finish_reason``; an engine error raises
     ``EngineRequestError``; leaving early (client gone, error) aborts the
     unfinished sub-requests. ``draining`` is set on SIGTERM; ``errored`` by
-    ``fail_all`` (an ``EngineDead`` message from the launcher); the HTTP layer
-    turns both into 503s.
+    ``fail_all`` (an ``EngineDead`` message from the launcher), cleared by ``restarted``
+    (``EngineRestarted``); the HTTP layer turns ``unavailable`` into 503s.
     """
 
-    def __init__(self, endpoints: FrontendEndpoints, *, max_model_len: int) -> None:
+    def __init__(
+        self,
+        endpoints: FrontendEndpoints,
+        *,
+        max_model_len: int,
+        retry_waiting_on_restart: bool = False,
+    ) -> None:
         self.endpoints = endpoints
         self.max_model_len = max_model_len
+        self.retry_waiting_on_restart = retry_waiting_on_restart
         self.draining = False
+        self.restarting = False  # the engine died and a new one is starting
+        self._dead_message = "The engine is not running."
+        # Called with the recovery time of each restart (the app's metrics).
+        self.on_restarted: Callable[[float], object] | None = None
         self._live: dict[str, _Live] = {}
         self._num_waiting = 0
         self._num_generating = 0
@@ -97,6 +131,17 @@ class EngineFrontend:
             self._dead.set()
         else:
             self._dead.clear()
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why new requests get a 503 now, or None while the engine serves."""
+        if self.restarting:
+            return "The engine is restarting after a failure; retry shortly."
+        if self.errored:
+            return "The engine is not running."
+        if self.draining:
+            return "The server is shutting down."
+        return None
 
     @property
     def num_waiting(self) -> int:
@@ -137,13 +182,48 @@ class EngineFrontend:
             for engine in self._engines:
                 engine.close()
 
-    def fail_all(self, message: str) -> None:
-        """The engine died: mark it so and end every live request with a 503."""
+    def fail_all(self, message: str, *, restarting: bool = False) -> None:
+        """The engine died: mark it so and end every live request with a 503. If a new engine
+        is coming and ``retry_waiting_on_restart``, keep the groups that had no output yet."""
         self.errored = True
-        for req_id, live in list(self._live.items()):
-            live.queue.put_nowait(
-                (live.index, RequestError(req_id, 503, message, "ServiceUnavailableError"))
-            )
+        self.restarting = restarting
+        self._dead_message = message
+        groups: dict[int, list[tuple[str, _Live]]] = {}
+        for req_id, live in self._live.items():
+            groups.setdefault(id(live.queue), []).append((req_id, live))
+        for members in groups.values():
+            lives = [live for _, live in members]
+            if (
+                restarting
+                and self.retry_waiting_on_restart
+                and all(live.generates and live.waiting for live in lives)
+            ):
+                for live in lives:
+                    live.kept = True
+                lives[0].queue.put_nowait((lives[0].index, _KEPT))
+                continue
+            for req_id, live in members:
+                live.kept = False
+                live.queue.put_nowait(
+                    (live.index, RequestError(req_id, 503, message, "ServiceUnavailableError"))
+                )
+
+    def restarted(self, recovery_s: float) -> None:
+        """The new engine is up: serve again and send the kept groups to it."""
+        self.errored = False
+        self.restarting = False
+        queues = {id(live.queue): live for live in self._live.values() if live.kept}
+        for live in self._live.values():
+            live.kept = False
+        for live in queues.values():
+            live.queue.put_nowait((live.index, _RESEND))
+        logger.warning(
+            "the engine is back after %.1f s; %d waiting request group(s) sent again",
+            recovery_s,
+            len(queues),
+        )
+        if self.on_restarted is not None:
+            self.on_restarted(recovery_s)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -157,15 +237,15 @@ class EngineFrontend:
                     for delta in msg.items:
                         self._deliver(delta.req_id, delta)
                 elif isinstance(msg, EngineDead):
-                    self.fail_all(msg.reason)
+                    self.fail_all(msg.reason, restarting=msg.restarting)
+                elif isinstance(msg, EngineRestarted):
+                    self.restarted(msg.recovery_s)
                 else:
                     self._deliver(msg.req_id, msg)
             except Exception:  # this loop serves every request: it must outlive any one message
                 logger.exception("failed to route a message from the engine")
 
-    def _deliver(
-        self, req_id: str, item: TextDelta | RequestError | TokenizeResult | DetokenizeResult
-    ) -> None:
+    def _deliver(self, req_id: str, item: _Item) -> None:
         live = self._live.get(req_id)
         if live is None:
             return  # aborted or finished already: late output is dropped
@@ -184,7 +264,9 @@ class EngineFrontend:
         if self.errored:
             # Admitted just before EngineDead arrived: fail_all could not see it,
             # and no output will ever come for it.
-            raise EngineRequestError(503, "The engine is not running.", "ServiceUnavailableError")
+            raise EngineRequestError(
+                503, self.unavailable or self._dead_message, "ServiceUnavailableError"
+            )
         if req_id in self._live:
             raise EngineRequestError(
                 400, f"request id {req_id!r} is already in use", "BadRequestError"
@@ -219,6 +301,7 @@ class EngineFrontend:
         registered: list[str] = []
         sent = False
         finished: set[str] = set()
+        yielded = kept = False
         try:
             for i, req in enumerate(reqs):
                 self._register(req.req_id, queue, i)
@@ -229,12 +312,21 @@ class EngineFrontend:
                 on_sent(len(reqs))
             while len(finished) < len(reqs):
                 index, item = await queue.get()
+                if item is _KEPT:
+                    if yielded or kept:  # started already, or kept once: no second try
+                        raise EngineRequestError(503, self._dead_message, "ServiceUnavailableError")
+                    kept = True
+                    continue  # until _RESEND, or an error if the restart fails
+                if item is _RESEND:
+                    await self._send(GenerateBatch(reqs))
+                    continue
                 if isinstance(item, RequestError):
                     raise EngineRequestError.from_msg(item)
                 assert isinstance(item, TextDelta)
                 if item.finish_reason is not None:
                     finished.add(item.req_id)
                     self._release(item.req_id)
+                yielded = True
                 yield index, item
         finally:
             for req_id in registered:

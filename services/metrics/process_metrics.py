@@ -7,6 +7,7 @@ seconds use ``STEP_TIME_BUCKETS``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -57,6 +58,27 @@ def api_requests(model_name: str, engine_index: int = 0) -> Any:
     """``actorserve:api_requests``: engine requests the api_server sent (one per choice)."""
     return Counter("actorserve:api_requests", "Engine requests sent by the api_server.",
                    LABEL_NAMES, registry=None).labels(model_name, str(engine_index))  # fmt: skip
+
+
+RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def engine_restarts(model_name: str) -> Callable[[float], None]:
+    """``actorserve:engine_restarts`` (``--restart-on-failure``) and
+    ``actorserve:engine_recovery_seconds``, from an engine process's death to every process
+    of the new engine ready; returns the function that records one restart."""
+    labels = (model_name, "0")
+    restarts = Counter("actorserve:engine_restarts", "Engine groups restarted after a failure.",
+                       LABEL_NAMES, registry=None).labels(*labels)  # fmt: skip
+    recovery = Histogram("actorserve:engine_recovery_seconds",
+                         "Seconds from an engine process's death to the new engine serving.",
+                         LABEL_NAMES, buckets=RECOVERY_BUCKETS, registry=None).labels(*labels)  # fmt: skip
+
+    def record(seconds: float) -> None:
+        restarts.inc()
+        recovery.observe(seconds)
+
+    return record
 
 
 class SchedulerLoopMetrics:
