@@ -18,9 +18,7 @@ def test_two_minutes_of_mixed_traffic_leave_nothing_behind() -> None:
     client = result["client"]
     assert sum(client["succeeded"].values()) > 50, client
     assert client["aborted"].get("disconnect") and client["aborted"].get("abort"), client
-    assert result["engine_requests"]["by_finish_reason"]["abort"] >= sum(
-        client["aborted"].values()
-    )
+    assert result["engine_requests"]["by_finish_reason"]["abort"] >= sum(client["aborted"].values())
     # Two minutes cannot show a slow leak (``make soak`` reports the slopes); a gross one
     # (a request's state kept, a cache that never evicts) shows as growth in the second half.
     grown = {role: m["growth_mib"] for role, m in result["memory"].items() if m["growth_mib"] > 96}
