@@ -135,6 +135,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="add an X-Request-Id header to every response (the request's own, or a new one)",
     )
     p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's prompt, token ids and sampling parameters (vLLM's flag; "
+        "off by default: the log holds no user text)",
+    )
+    p.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests: log each request's output text and token ids too",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="cut logged prompts and outputs to this many characters or token ids",
+    )
+    p.add_argument(
         "--restart-on-failure",
         action="store_true",
         help="when an engine process (tokenizer, scheduler, worker, detokenizer) dies, restart "

@@ -54,7 +54,11 @@ from services.flags import parse_json_object
 from services.ipc import IpcDir, PullSocket, PushSocket
 from services.kv_transfer.config import KVTransferConfig
 from services.logging_utils import init_logger
-from services.metrics.registry import create_multiproc_dir, remove_multiproc_dir
+from services.metrics.registry import (
+    create_multiproc_dir,
+    forget_process_gauges,
+    remove_multiproc_dir,
+)
 from services.model_loader import load_hf_config, prepare_engine_model
 from services.protocol import ApiServerInput, EngineDead, EngineRestarted, Ready
 
@@ -126,6 +130,8 @@ class Launcher:
             # (same process group), and their exit is then not a start-up failure.
             if self._stop_requested:
                 raise KeyboardInterrupt
+            if (stopped := self.group.first_stopped()) is not None:
+                raise StartupError(f"the {stopped.name} process was stopped during start-up")
             dead = self.group.first_dead()
             if dead is not None:
                 not_ready = ""
@@ -252,19 +258,23 @@ class Launcher:
         engine = [c for c in self.group.children if c is not api]
         self.group.stop(engine)
         self.group.children = [c for c in self.group.children if c not in engine]
+        for child in engine:
+            forget_process_gauges(child.popen.pid)
         self._ready.clear()
         stopped_s = time.monotonic() - began
         parallel = self.config.engine.parallel
-        if self.master_port_chosen:  # the old rendezvous port may still be in TIME_WAIT
-            parallel.master_port = None
-            resolve_master_port(parallel)
         try:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            if self.master_port_chosen:  # the old rendezvous port may still be in TIME_WAIT
+                parallel.master_port = None
+                resolve_master_port(parallel)
             self._start_engine_group()
-        except StartupError as e:
-            return self._on_death(f"the engine did not restart: {e}", api)
         except KeyboardInterrupt:  # SIGTERM while restarting: nothing left to finish
             self._tell_api(EngineDead("The server is shutting down."))
             return self._drain(api)
+        except Exception as e:  # a process that died starting, no free port, no fork...
+            return self._on_death(f"the engine did not restart: {e}", api)
         recovery_s = time.monotonic() - began
         logger.warning(
             "the engine restarted in %.1f s (old processes stopped in %.1f s); serving again",
@@ -512,6 +522,9 @@ def run_server(args: object) -> int:
         max_num_queued_reqs=a.get("max_num_queued_reqs"),
         limits=RequestLimits.from_cli(args),  # type: ignore[arg-type]
         enable_request_id_headers=bool(a.get("enable_request_id_headers")),
+        enable_log_requests=bool(a.get("enable_log_requests")),
+        enable_log_outputs=bool(a.get("enable_log_outputs")),
+        max_log_len=a.get("max_log_len"),
         restart_on_failure=bool(a.get("restart_on_failure")),
         retry_waiting_on_restart=bool(a.get("retry_waiting_on_restart")),
         tokenizer_workers=a["tokenizer_workers"],
@@ -526,6 +539,10 @@ def run_server(args: object) -> int:
         raise ConfigError("--tokenizer-workers must be at least 1")
     if config.log_stats_interval <= 0:
         raise ConfigError("--log-stats-interval must be positive")
+    if config.enable_log_outputs and not config.enable_log_requests:
+        raise ConfigError("--enable-log-outputs needs --enable-log-requests")
+    if config.max_log_len is not None and config.max_log_len < 0:
+        raise ConfigError("--max-log-len must be at least 0")
     parallel = engine.parallel
     _check_headless(parallel, bool(a.get("headless")))
     _check_restart(config, bool(a.get("headless")))

@@ -520,6 +520,10 @@ class ServeConfig:
     restart_on_failure: bool = False
     retry_waiting_on_restart: bool = False  # requests with no output yet go to the new engine
     tokenizer_workers: int = 1
+    # vLLM's request logging: prompts (and outputs) in the log only when asked for
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: int | None = None
     num_blocks: int = 0  # measured by the worker, given to the scheduler
     kv_block_bytes: int = 0  # one block's bytes over all ranks of an engine (workers report)
     log_level: str = "info"

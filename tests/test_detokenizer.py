@@ -224,3 +224,24 @@ def test_output_processor_eos_and_logprobs(tok):
         tok.decode([7], skip_special_tokens=False),
     ]
     assert proc.num_requests == 0
+
+
+def test_outputs_are_logged_whole_when_they_finish(tok, caplog):
+    """--enable-log-outputs: one line per request at its end, with all of its text and ids."""
+    from services.detokenizer.service import OutputProcessor
+    from services.protocol import RequestTokens, TokenBatch
+    from services.request_log import RequestLog
+
+    caplog.set_level("INFO", logger="services")
+    out_ids = tok.encode(" one two three", add_special_tokens=False).ids
+    for log in (None, RequestLog()):
+        proc = OutputProcessor(tok, log)
+        proc.add_request(_spec("c", tok))
+        proc.process(TokenBatch([RequestTokens("c", out_ids[:2])]))
+        assert "Generated response" not in caplog.text
+        proc.process(TokenBatch([RequestTokens("c", out_ids[2:], finish_reason="length")]))
+    [line] = [r.getMessage() for r in caplog.records if "Generated response" in r.getMessage()]
+    assert line == (
+        f"Generated response c: output: ' one two three', output_token_ids: {out_ids}, "
+        "finish_reason: length"
+    )

@@ -321,3 +321,66 @@ def test_a_failed_restart_fails_the_kept_groups(endpoints):
         await front.close()
 
     asyncio.run(main())
+
+
+def test_a_kept_group_ignores_the_dead_engines_last_output(endpoints):
+    """Output the old engine sent just before it was stopped can be read after EngineDead
+    (ZeroMQ takes turns between its peers): a kept group drops it and runs once, whole, on
+    the new engine, instead of showing the old engine's start and then a second run."""
+
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100, retry_waiting_on_restart=True)
+        await front.start()
+        peers = _Peers(endpoints)
+        old_detokenizer = PushSocket[ApiServerInput](endpoints.outputs, ApiServerInput)
+        group = asyncio.create_task(_drain(front, [_gen("k0")]))
+        assert await peers.batches(1) == [["k0"]]
+        peers.back.send(EngineDead("the tokenizer died", restarting=True))
+        await asyncio.sleep(0.1)
+        old_detokenizer.send(_delta("k0", "abort"))
+        await asyncio.sleep(0.1)
+        assert front.num_waiting == 1 and not group.done()
+        peers.back.send(EngineRestarted(1.0))
+        assert await peers.batches(1) == [["k0"]]
+        peers.back.send(TextDeltaBatch([TextDelta("k0", "new", [8], finish_reason="length")]))
+        [(_, delta)] = await asyncio.wait_for(group, 5)
+        assert (delta.text, delta.finish_reason) == ("new", "length")
+        old_detokenizer.close()
+        peers.close()
+        await front.close()
+
+    asyncio.run(main())
+
+
+def test_a_group_no_tokenizer_took_is_kept_too(endpoints):
+    """The only tokenizer died: a group admitted before the launcher noticed waits for a
+    tokenizer to connect. It never reached an engine, so it is kept and sent to the new one
+    (not failed with a 503)."""
+
+    async def main():
+        front = EngineFrontend(endpoints, max_model_len=100, retry_waiting_on_restart=True)
+        sent: list[int] = []
+        await front.start()
+        back = PushSocket[ApiServerInput](endpoints.outputs, ApiServerInput)
+        group = asyncio.create_task(_drain(front, [_gen("p0")], on_sent=sent.append))
+        await asyncio.sleep(0.2)
+        assert not group.done() and sent == []
+        back.send(EngineDead("the tokenizer died", restarting=True))
+        await asyncio.sleep(0.2)
+        assert not group.done()
+        tokenizer = PullSocket[TokenizerInput](endpoints.tokenizer_requests, TokenizerInput)
+        back.send(EngineRestarted(1.0))
+        deadline = time.monotonic() + 5
+        msg = None
+        while msg is None and time.monotonic() < deadline:
+            msg = tokenizer.recv(timeout_ms=0)
+            await asyncio.sleep(0.01)
+        assert isinstance(msg, GenerateBatch) and [r.req_id for r in msg.requests] == ["p0"]
+        assert sent == [1]
+        back.send(_delta("p0", "length"))
+        assert len(await asyncio.wait_for(group, 5)) == 1
+        tokenizer.close()
+        back.close()
+        await front.close()
+
+    asyncio.run(main())

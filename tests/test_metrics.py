@@ -456,3 +456,19 @@ def test_logs_and_shutdown(main: Server) -> None:
     assert main.proc.returncode == 0
     assert not list(main.tmpdir.glob("actorserve-metrics-*"))
     assert main.children and not [pid for pid in main.children if _alive(pid)]
+
+
+def test_a_restarted_engines_old_gauges_are_dropped_and_its_counts_kept(tmp_path, monkeypatch):
+    """--restart-on-failure: the stopped processes' gauge files go (a gauge whose labels
+    changed would stay on /metrics beside the new one's), counters and histograms stay."""
+    from services.metrics.registry import MULTIPROC_ENV, forget_process_gauges
+
+    monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path))
+    names = ["gauge_mostrecent_123.db", "gauge_livesum_123.db", "counter_123.db",
+             "histogram_123.db", "gauge_mostrecent_1234.db", "gauge_mostrecent_23.db"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    forget_process_gauges(123)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "counter_123.db", "gauge_mostrecent_1234.db", "gauge_mostrecent_23.db", "histogram_123.db"
+    ]  # fmt: skip

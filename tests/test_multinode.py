@@ -220,6 +220,7 @@ def test_an_engine_node_dying_stops_the_server_with_errors(small_model: Path) ->
         (["-dpl", "2", "-dpr", "1", "--headless"], "goes past --data-parallel-size 2"),
         (["-tp", "2", "--nnodes", "2", "--master-port", "29500"], "use --data-parallel-size-local"),
         (["--retry-waiting-on-restart"], "--retry-waiting-on-restart needs --restart-on-failure"),
+        (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
         (
             ["-dpl", "1", "-dpr", "1", "--headless", "--restart-on-failure"],
             "--restart-on-failure restarts the engine processes of a one-machine server",

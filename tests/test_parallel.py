@@ -20,6 +20,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -200,3 +201,33 @@ def test_offline_rank_death_is_an_error_not_a_hang(small_model: Path) -> None:
         with pytest.raises(WorkerDied, match="worker rank 1 process exited with code -9"):
             llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=500, ignore_eos=True))
         assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_restart_on_failure_brings_every_rank_back(small_model: Path) -> None:
+    """--restart-on-failure with two ranks: kill rank 1 and both ranks start again (at a new
+    rendezvous port), the server answers as before, SIGTERM then ends every process."""
+    args = ("--model", str(small_model), "--load-format", "dummy", "-tp", "2",
+            "--restart-on-failure")  # fmt: skip
+    with RemoteServer(*args) as server:
+        server.wait_ready()
+
+        def ranks() -> dict[str, int]:
+            return {p.cmdline()[-2]: p.pid for p in server.processes()
+                    if p.cmdline()[-3:-2] == ["worker"]}  # fmt: skip
+
+        body = {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        want = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        before = ranks()
+        os.kill(before["1"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while "the engine restarted in" not in server.log:
+            assert time.monotonic() < deadline and server.popen.poll() is None, server.log
+            time.sleep(0.2)
+        after = ranks()
+        assert set(after) == {"0", "1"} and not set(after.values()) & set(before.values())
+        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        server.popen.send_signal(signal.SIGTERM)
+        assert server.wait_exit(60) == 0, server.log
+        assert server.wait_all_gone(10) == []

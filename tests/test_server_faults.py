@@ -13,8 +13,11 @@ SIGKILLs leftovers so one failure never leaks into the next test).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +27,7 @@ import openai
 import psutil
 import pytest
 
-from tests.server_utils import RemoteServer, metric, wait_metric
+from tests.server_utils import RemoteServer, free_port, metric, wait_metric
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -45,7 +48,9 @@ def make_server() -> Iterator[Callable[..., RemoteServer]]:
 class StreamInThread:
     """One streaming completion in a thread: ``first`` is set at the first chunk."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True) -> None:
+    def __init__(
+        self, url: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True, model: str = MODEL
+    ) -> None:
         self.first = threading.Event()
         self.text: list[str] = []
         self.finish_reason: str | None = None
@@ -53,6 +58,7 @@ class StreamInThread:
         self.error: BaseException | None = None
         self.ended_at: float | None = None
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        self.model = model
         self._thread = threading.Thread(
             target=self._run, args=(client, prompt, max_tokens, ignore_eos), daemon=True
         )
@@ -61,7 +67,7 @@ class StreamInThread:
     def _run(self, client: openai.OpenAI, prompt: str, max_tokens: int, ignore_eos: bool) -> None:
         try:
             stream = client.completions.create(
-                model=MODEL,
+                model=self.model,
                 prompt=prompt,
                 max_tokens=max_tokens,
                 temperature=0,
@@ -313,8 +319,9 @@ def _restart(role: str, sig: signal.Signals, make_server) -> None:
     same greedy text a fresh request gets, with an empty KV cache after; SIGTERM then
     drains and every process exits."""
     server = make_server(
-        "--restart-on-failure", "--retry-waiting-on-restart", "--max-num-seqs", "1"
-    ).wait_ready()
+        "--restart-on-failure", "--retry-waiting-on-restart", "--max-num-seqs", "1",
+        "--enable-log-requests", "--enable-log-outputs",
+    ).wait_ready()  # fmt: skip
     before = server.children()
     running = StreamInThread(server.url, "Story number 1:", 400)
     assert running.first.wait(120), server.log
@@ -377,6 +384,11 @@ def _restart(role: str, sig: signal.Signals, make_server) -> None:
         verb = "was stopped" if sig == signal.SIGSTOP else "died"
         assert f"the {name} process {verb}" in server.log, server.log
         assert "the engine restarted in" in server.log
+        # The old tokenizer took it, the new one again (--enable-log-requests shows it).
+        received = [ln for ln in server.log.splitlines() if "Received request" in ln]
+        assert sum("prompt: 'Tale 2:'" in ln for ln in received) == 3, received  # with `again`
+        text = r.json()["choices"][0]["text"]
+        assert any(f"output: {text!r}" in ln for ln in server.log.splitlines()), server.log
         print(f"\nRESTART {role} {sig.name}: serving again {recovery_s:.1f} s after the "
               f"launcher saw it ({serving_at - hit_at:.1f} s after the signal, as polled)")  # fmt: skip
     finally:
@@ -403,3 +415,92 @@ def test_restart_on_failure_does_not_cover_the_api_server(make_server) -> None:
     """The api_server holds the port and every client connection: its death still ends
     the server (exit 1, no orphans), with or without the flag."""
     _fault("api_server", signal.SIGKILL, make_server, "--restart-on-failure")
+
+
+# ---- the router and the PD proxy: one process each, in front of (simulated) servers
+
+_SIM = ("--worker-backend", "sim", "--sim-model", "llama-3-8b", "--sim-hardware", "h200",
+        "--kv-cache-memory-bytes", "1GiB", "--sim-speed", "2")  # fmt: skip
+
+
+def _p2p(role: str) -> tuple[str, str]:
+    cfg = {"kv_connector": "p2p", "kv_role": role, "kv_port": free_port(),
+           "kv_connector_extra_config": {"lease_s": 5}}  # fmt: skip
+    return "--kv-transfer-config", json.dumps(cfg)
+
+
+def _start_proxy(kind: str, servers: list[RemoteServer]) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "launch.cli", kind, "--port", str(port)]
+    if kind == "router":
+        cmd += ["--backend", servers[0].url]
+    else:
+        cmd += ["--prefill", servers[0].url, "--decode", servers[1].url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        assert proc.poll() is None and time.monotonic() < deadline, f"{kind} did not start"
+        time.sleep(0.2)
+
+
+def _proxy_fault(kind: str, sig: signal.Signals, make_server) -> None:
+    """Two streams and two plain requests in flight through the router (or the PD proxy),
+    then ``sig`` to it. kill -9: every client's request ends at once (its connection
+    closes); either way the servers behind it are not held: their requests end (aborted
+    when the connection drops, or run to the end into the socket buffers of a stopped
+    proxy) and every KV block comes back (a prefill hold lapses with its 5 s lease)."""
+    roles = [("kv_producer",), ("kv_consumer",)] if kind == "pd-proxy" else [()]
+    servers = [make_server(*_SIM, *(_p2p(r[0]) if r else ())) for r in roles]
+    for server in servers:
+        server.wait_ready()
+    proc, url = _start_proxy(kind, servers)
+    try:
+        streams = [StreamInThread(url, f"Story {i}:", 400, model="llama-3-8b") for i in range(2)]
+        plain: list = []
+        threads = [
+            threading.Thread(
+                target=_post_completion, args=(url, f"Tale {i}:", 400, plain), daemon=True
+            )
+            for i in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for st in streams:
+            assert st.first.wait(60), [s.log for s in servers]
+        hit_at = time.monotonic()
+        os.kill(proc.pid, sig)
+        if sig == signal.SIGKILL:
+            for st in streams:
+                st.join(10)
+                assert st.error is not None and st.ended_at is not None
+                assert st.ended_at - hit_at < 5, st.ended_at - hit_at
+            for t in threads:
+                t.join(10)
+                assert not t.is_alive()
+            assert all(isinstance(r, httpx.HTTPError) for r in plain), plain
+        idle_after = []
+        for server in servers:
+            assert wait_metric(server, "vllm:num_requests_running", 0.0, 60), server.log
+            assert wait_metric(server, "vllm:kv_cache_usage_perc", 0.0, 60), server.log
+            idle_after.append(time.monotonic() - hit_at)
+            assert (
+                server.popen.poll() is None and httpx.get(server.url + "/health").status_code == 200
+            )
+        print(f"\nFAULT {kind} {sig.name}: the servers behind it idle, KV 0, "
+              f"{max(idle_after):.1f} s after")  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill9", "sigstop"])
+@pytest.mark.parametrize("kind", ["router", "pd-proxy"])
+def test_the_router_or_pd_proxy_killed_or_stopped_under_load(kind, sig, make_server) -> None:
+    _proxy_fault(kind, sig, make_server)

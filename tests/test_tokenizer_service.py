@@ -164,3 +164,20 @@ def test_service_loop_routes_messages(proc):
             t.join(5)
             for s in (requests, core, specs, api):
                 s.close()
+
+
+def test_prompts_are_logged_only_when_asked(info, caplog):
+    """--enable-log-requests: the rendered prompt, sampling parameters and token ids, cut to
+    --max-log-len; without it the prompt never reaches the log."""
+    from services.request_log import RequestLog
+
+    caplog.set_level("INFO", logger="services")
+    RequestProcessor(info, MAX_LEN).process(gen(prompt="a secret prompt"))
+    assert "secret" not in caplog.text
+    logged = RequestProcessor(info, MAX_LEN, request_log=RequestLog(max_log_len=8))
+    tokenized, _ = logged.process(gen(prompt="a secret prompt"))
+    [record] = [r for r in caplog.records if "Received request" in r.getMessage()]
+    line = record.getMessage()
+    assert line.startswith("Received request r1: prompt: 'a secret', params: SamplingParams(")
+    assert f"prompt_token_ids: {tokenized.prompt_token_ids[:8]}" in line
+    assert "prompt'" not in line  # cut at 8 characters

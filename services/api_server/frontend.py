@@ -249,6 +249,8 @@ class EngineFrontend:
         live = self._live.get(req_id)
         if live is None:
             return  # aborted or finished already: late output is dropped
+        if live.kept:
+            return  # the dead engine's last words: the request runs again on the next one
         if live.waiting and live.generates:
             live.waiting = False
             self._num_waiting -= 1
@@ -302,14 +304,24 @@ class EngineFrontend:
         sent = False
         finished: set[str] = set()
         yielded = kept = False
+
+        async def send() -> None:
+            nonlocal sent
+            try:
+                await self._send(GenerateBatch(reqs))  # one tokenizer checks the group whole
+            except EngineRequestError:
+                if not self._live[registered[0]].kept:
+                    raise
+                return  # the engine died before a tokenizer took it: it goes to the next one
+            if not sent and on_sent is not None:
+                on_sent(len(reqs))
+            sent = True
+
         try:
             for i, req in enumerate(reqs):
                 self._register(req.req_id, queue, i)
                 registered.append(req.req_id)
-            await self._send(GenerateBatch(reqs))  # one tokenizer checks the group as a whole
-            sent = True
-            if on_sent is not None:
-                on_sent(len(reqs))
+            await send()
             while len(finished) < len(reqs):
                 index, item = await queue.get()
                 if item is _KEPT:
@@ -318,7 +330,9 @@ class EngineFrontend:
                     kept = True
                     continue  # until _RESEND, or an error if the restart fails
                 if item is _RESEND:
-                    await self._send(GenerateBatch(reqs))
+                    if yielded:  # cannot happen: output of a kept group is dropped
+                        raise EngineRequestError(503, self._dead_message, "ServiceUnavailableError")
+                    await send()
                     continue
                 if isinstance(item, RequestError):
                     raise EngineRequestError.from_msg(item)
@@ -350,7 +364,9 @@ class EngineFrontend:
                 if not sending.done():
                     sending.cancel()  # a queued send that is cancelled is never sent
         if sending.cancelled():
-            raise EngineRequestError(503, "The engine is not running.", "ServiceUnavailableError")
+            raise EngineRequestError(
+                503, self.unavailable or "The engine is not running.", "ServiceUnavailableError"
+            )
         sending.result()
 
     async def abort(self, req_ids: list[str]) -> None:

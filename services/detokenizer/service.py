@@ -35,6 +35,7 @@ from services.protocol import (
     TokenBatch,
     TokenLogprobs,
 )
+from services.request_log import RequestLog
 
 _POLL_MS = 100
 
@@ -48,6 +49,9 @@ class _RequestState:
     done: bool = False  # final delta sent (stop string); waiting for the scheduler's end
     prompt_text: str | None = None  # handed out once, with the first delta
     prompt_token_ids: list[int] | None = None  # likewise
+    # --enable-log-outputs: the whole output, logged when it finishes
+    output_text: list[str] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +64,7 @@ class OutputProcessor:
     """
 
     tokenizer: tokenizers.Tokenizer
+    request_log: RequestLog | None = None  # --enable-log-outputs
     _states: dict[str, _RequestState] = field(default_factory=dict)
     _early: dict[str, list[RequestTokens]] = field(default_factory=dict)
 
@@ -98,6 +103,16 @@ class OutputProcessor:
             if delta is None:
                 continue
             deltas.append(delta)
+            if self.request_log is not None:
+                state.output_text.append(delta.text)
+                state.output_ids += delta.token_ids
+                if delta.finish_reason is not None:
+                    self.request_log.outputs(
+                        item.req_id,
+                        "".join(state.output_text),
+                        state.output_ids,
+                        delta.finish_reason,
+                    )
             if delta.finish_reason is not None:
                 if item.finish_reason is None:
                     # Finished here on a stop string: the scheduler must free it.
@@ -181,13 +196,14 @@ def serve_detokenizer(
     stop_event: threading.Event | None = None,
     ready: threading.Event | None = None,
     batch_time: Any | None = None,
+    request_log: RequestLog | None = None,
 ) -> None:
     """Run the detokenizer loop until ``stop_event`` is set; sets ``ready`` once bound.
 
     ``batch_time`` (a histogram child) observes the time spent on each batch of inputs.
     """
     stop_event = stop_event or threading.Event()
-    processor = OutputProcessor(tokenizer)
+    processor = OutputProcessor(tokenizer, request_log)
     batches = PullSocket[TokenBatch](endpoints.token_batches, TokenBatch, bind=True)
     specs = PullSocket[RequestOutputSpec](endpoints.specs, RequestOutputSpec, bind=True)
     # It does not know which data-parallel engine holds a request: a finish goes to every
@@ -253,4 +269,10 @@ def run_detokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
     from services.metrics.process_metrics import detokenizer_time
 
     threading.Thread(target=report_when_bound, daemon=True).start()
-    serve_detokenizer(tokenizer, endpoints, ready=bound, batch_time=detokenizer_time(config))
+    serve_detokenizer(
+        tokenizer,
+        endpoints,
+        ready=bound,
+        batch_time=detokenizer_time(config),
+        request_log=RequestLog(config.max_log_len) if config.enable_log_outputs else None,
+    )

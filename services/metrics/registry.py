@@ -50,6 +50,17 @@ def remove_multiproc_dir(path: Path) -> None:
         del os.environ[MULTIPROC_ENV]
 
 
+def forget_process_gauges(pid: int) -> None:
+    """A process that is gone for good (an engine restart): drop its gauges. Its counters
+    and histograms stay (their sums must not go back); a gauge of a dead process would
+    otherwise stay on ``/metrics`` beside its successor's wherever their labels differ
+    (``vllm:cache_config_info{num_gpu_blocks}`` measured again)."""
+    if folder := os.environ.get(MULTIPROC_ENV):
+        for path in Path(folder).glob(f"gauge_*_{pid}.db"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 def label_values(config: ServeConfig, engine_index: int = 0) -> tuple[str, str]:
     """The (model_name, engine) label values every series of this server carries."""
     names = config.served_model_names

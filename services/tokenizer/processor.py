@@ -22,6 +22,7 @@ from services.protocol import (
     TokenizeRequest,
     TokenizeResult,
 )
+from services.request_log import RequestLog
 from services.tokenizer.chat_template import ChatTemplateError, render_chat
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: decoding context for the first output token.
@@ -52,8 +53,10 @@ class RequestProcessor:
         check_kv_transfer: Callable[[dict[str, Any]], None] | None = None,
         limits: RequestLimits | None = None,
         render_timer: bool = False,
+        request_log: RequestLog | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.request_log = request_log  # --enable-log-requests
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()  # the chat template's time and size
         self.render_timer = render_timer  # SIGALRM-bounded renders (the tokenizer process)
@@ -174,6 +177,8 @@ class RequestProcessor:
             eos_token_id=self.tokenizer.eos_token_id,
             kv_transfer_params=req.kv_transfer_params,
         )
+        if self.request_log is not None:
+            self.request_log.inputs(req.req_id, text, ids, sampling)
         spec = RequestOutputSpec(
             req_id=req.req_id,
             sampling=sampling,

@@ -34,6 +34,7 @@ from services.protocol import (
     TokenizeRequest,
     TokenizerInput,
 )
+from services.request_log import RequestLog
 from services.tokenizer.balancer import DataParallelBalancer
 from services.tokenizer.processor import RequestProcessor
 
@@ -188,6 +189,7 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
         params_check(config.engine),
         config.limits,
         render_timer=True,
+        request_log=RequestLog(config.max_log_len) if config.enable_log_requests else None,
     )
     _limit_memory(_TEMPLATE_MEMORY_BYTES)
     from services.metrics.process_metrics import tokenizer_time
