@@ -4,7 +4,7 @@ A tenant who can time its first token learns whether a prompt was cached: a cach
 skips the prefill. ``cache_salt`` (vLLM's request field) puts a tenant's blocks under its
 own key, so another tenant's identical prompt must neither hit nor come back faster.
 
-On a fresh server, for each of ``--rounds`` new ~1,500-token prompts: the victim sends it
+On a fresh server, for each of ``--rounds`` new ~1,700-token prompts: the victim sends it
 (cold), sends it again (its own salt: a hit), then the attacker sends it with another salt
 and with none. Streaming, one output token; the client times the first token (TTFT) and
 reads ``usage.prompt_tokens_details.cached_tokens``. Reported per case: TTFT median,
@@ -36,7 +36,7 @@ CASES = ("cold", "own salt", "another salt", "no salt")
 
 
 def prompt(round_: int) -> str:
-    """~1,500 tokens of the default tokenizer, new text in every round."""
+    """~1,700 tokens of the default tokenizer, new text in every round."""
     return "\n".join(
         f"Entry {round_}.{i}: the ledger of account {round_ * 97 + i} balanced on day {i}."
         for i in range(75)
@@ -94,7 +94,7 @@ def measure(rounds: int) -> dict[str, Any]:
     cold = cases["cold"]["ttft_ms_median"]
     return {
         "rounds": rounds,
-        "prompt_tokens_approx": 1500,
+        "prompt_tokens_approx": 1700,
         "server_args": list(SERVER_ARGS),
         "cases": cases,
         "another_salt_over_cold": round(cases["another salt"]["ttft_ms_median"] / cold, 3),
@@ -116,7 +116,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                                       for c in CASES])  # fmt: skip
     ax.set_ylabel("time to first token (ms)")
     ax.set_ylim(bottom=0)
-    ax.set_title("cache_salt: the same ~1,500-token prompt, victim then attacker")
+    ax.set_title("cache_salt: the same ~1,700-token prompt, victim then attacker")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

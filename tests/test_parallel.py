@@ -208,7 +208,7 @@ def test_restart_on_failure_brings_every_rank_back(small_model: Path) -> None:
     """--restart-on-failure with two ranks: kill rank 1 and both ranks start again (at a new
     rendezvous port), the server answers as before, SIGTERM then ends every process."""
     args = ("--model", str(small_model), "--load-format", "dummy", "-tp", "2",
-            "--restart-on-failure")  # fmt: skip
+            "--max-model-len", "512", "--restart-on-failure")  # fmt: skip
     with RemoteServer(*args) as server:
         server.wait_ready()
 
