@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from bench.plots import write_result
 from bench.procs import ServerProcess
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -104,7 +105,7 @@ def measure(rounds: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    from bench.plots import _pyplot
+    from bench.plots import _pyplot, save_figure
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -117,9 +118,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("time to first token (ms)")
     ax.set_ylim(bottom=0)
     ax.set_title("cache_salt: the same ~1,700-token prompt, victim then attacker")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT / "cache_salt.json")
     a = p.parse_args(argv)
     result = measure(a.rounds)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    plot(result, a.out.with_suffix(".png"))
+    write_result(result, a.out, plot)
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}
                      | {c: result["cases"][c]["ttft_ms_median"] for c in CASES}, indent=1))  # fmt: skip
     return 0

@@ -5,6 +5,9 @@ Reads only the result dict (the JSON file's content), so a saved result can be r
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,22 @@ def _cdf(ax: Any, values_ms: list[float], title: str) -> None:
         ax.legend(loc="lower right")
     ax.set(title=title, xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
     ax.grid(alpha=0.3)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
+def write_result(
+    result: dict[str, Any], out: Path, plot: Callable[[dict[str, Any], Path], None]
+) -> None:
+    """``out`` (JSON) and its plot beside it (the same name, ``.png``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
 
 
 def plot_result(result: dict[str, Any], stem: Path) -> list[Path]:

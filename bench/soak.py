@@ -44,6 +44,7 @@ import httpx
 import numpy as np
 import psutil
 
+from bench.plots import write_result
 from bench.procs import ServerProcess
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -374,7 +375,7 @@ def soak(
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    from bench.plots import _pyplot
+    from bench.plots import _pyplot, save_figure
 
     plt = _pyplot()
     samples = result["samples"]
@@ -395,9 +396,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.plot(t, [s["waiting"] for s in samples], label="waiting")
     ax2.set_xlabel("minutes")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,12 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT / "soak.json")
     a = p.parse_args(argv)
     result = soak(a.duration, a.load, a.capacity_s, a.concurrency, a.sample_s, a.seed)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    plot(result, a.out.with_suffix(".png"))
+    write_result(result, a.out, plot)
     print(json.dumps({k: result[k] for k in ("capacity_req_s", "rate_req_s", "client",
                                              "engine_requests", "memory", "checks")}, indent=1))  # fmt: skip
-    print(f"wrote {a.out} and {a.out.with_suffix('.png')}", file=sys.stderr)
     return 0 if all(result["checks"].values()) else 1
 
 
