@@ -1,0 +1,124 @@
+"""Grammar engines for structured outputs, behind one small interface (issue 17).
+
+A constraint is a kind and its text, vLLM's ``structured_outputs`` fields: ``json`` (a JSON
+schema), ``json_object`` (any JSON object), ``regex``, ``choice`` (a JSON list of strings),
+``grammar`` (EBNF) and ``structural_tag``. A backend turns one into a ``Matcher`` that
+follows a request's tokens and fills the row of a token bitmask for its next one: int32
+words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (xgrammar's and
+llguidance's layout). Backends register by name (``--structured-outputs-config
+'{"backend": ...}'``, vLLM's flag); ``xgrammar`` is vLLM's default and ours.
+
+Every backend's errors for a bad constraint are ``GrammarError`` with a message that says
+what is wrong (a 400 for the request).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import tokenizers
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar engine cannot use; the message says why."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str  # one of KINDS
+    spec: str  # the schema, pattern, grammar or tag as text; for choice a JSON list
+    # JSON only: whitespace the model may put between tokens (vLLM's default), or none at
+    # all (vLLM's ``disable_any_whitespace``)
+    any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown structured output kind {self.kind!r}")
+
+
+class Matcher(Protocol):
+    """One request's place in its grammar."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and no move) if the grammar forbids it."""
+        ...
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (int32 words)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        ...
+
+
+class GrammarBackend(Protocol):
+    vocab_size: int
+
+    def validate(self, constraint: Constraint) -> None:
+        """Raise ``GrammarError`` if ``constraint`` cannot be compiled."""
+        ...
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """Compile (or take from the cache) and start a matcher; ``GrammarError`` if bad."""
+        ...
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """What a grammar engine needs of the model's tokenizer."""
+
+    tokenizer: tokenizers.Tokenizer
+    vocab_size: int  # the model's (its logits' width), at least the tokenizer's
+    stop_token_ids: tuple[int, ...]
+
+
+BackendFactory = Callable[[VocabInfo], GrammarBackend]
+BACKENDS: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    def add(factory: BackendFactory) -> BackendFactory:
+        BACKENDS[name] = factory
+        return factory
+
+    return add
+
+
+def load_backend(name: str, vocab: VocabInfo) -> GrammarBackend:
+    if name not in BACKENDS:
+        # Imported here: each backend module registers itself, and xgrammar's import
+        # (torch, transformers) is paid only by the processes that constrain tokens.
+        from services.structured_output import xgrammar_backend  # noqa: F401
+
+    if name not in BACKENDS:
+        raise GrammarError(
+            f"unknown structured outputs backend {name!r}; known: {', '.join(sorted(BACKENDS))}"
+        )
+    return BACKENDS[name](vocab)
+
+
+def choices(spec: str) -> list[str]:
+    """A ``choice`` constraint's strings, checked."""
+    try:
+        values = json.loads(spec)
+    except ValueError:
+        values = None
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise GrammarError("choice must be a list of strings")
+    if not values:
+        raise GrammarError("Choice '[]' cannot be an empty list")
+    return values
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """Rows of int32 words with every token allowed (-1: all bits set)."""
+    return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)

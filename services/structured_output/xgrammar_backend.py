@@ -1,0 +1,93 @@
+"""The ``xgrammar`` backend (vLLM's default): compiled grammars cached by constraint, one
+``GrammarMatcher`` per request."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import xgrammar as xgr
+
+from services.structured_output.backend import (
+    Constraint,
+    GrammarError,
+    VocabInfo,
+    choices,
+    register_backend,
+)
+
+# "[12:23:47] /project/cpp/regex_converter.cc:94: " in front of xgrammar's C++ messages
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _message(e: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(e).strip()).strip()
+
+
+def tokenizer_info(vocab: VocabInfo) -> xgr.TokenizerInfo:
+    """xgrammar's view of a ``tokenizers.Tokenizer`` (its ``from_huggingface`` wants a
+    transformers tokenizer): the vocabulary by id, and the encoding the tokenizer's JSON
+    declares (byte-level BPE for the default model; byte fallback for SentencePiece)."""
+    tok = vocab.tokenizer
+    encoded: list[str] = [""] * tok.get_vocab_size(with_added_tokens=True)
+    for token, token_id in tok.get_vocab(with_added_tokens=True).items():
+        encoded[token_id] = token
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=meta["vocab_type"],
+        vocab_size=vocab.vocab_size,
+        stop_token_ids=list(vocab.stop_token_ids),
+        add_prefix_space=meta["add_prefix_space"],
+    )
+
+
+class XgrammarMatcher:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+@register_backend("xgrammar")
+class XgrammarBackend:
+    def __init__(self, vocab: VocabInfo, max_threads: int = 2) -> None:
+        self.vocab_size = vocab.vocab_size
+        # The compiler keeps every compiled grammar, keyed by its source: one schema used by
+        # many requests compiles once.
+        self._compiler = xgr.GrammarCompiler(tokenizer_info(vocab), max_threads=max_threads)
+
+    def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
+        try:
+            if c.kind in ("json", "json_object"):
+                schema = c.spec if c.kind == "json" else '{"type": "object"}'
+                return self._compiler.compile_json_schema(schema, any_whitespace=c.any_whitespace)
+            if c.kind == "regex":
+                return self._compiler.compile_regex(c.spec)
+            if c.kind == "choice":
+                alternatives = " | ".join(json.dumps(v) for v in choices(c.spec))
+                return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            if c.kind == "grammar":
+                return self._compiler.compile_grammar(c.spec)
+            return self._compiler.compile_structural_tag(c.spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError/TypeError by kind
+            raise GrammarError(f"Invalid {c.kind} for structured outputs: {_message(e)}") from None
+
+    def validate(self, constraint: Constraint) -> None:
+        self._compile(constraint)
+
+    def matcher(self, constraint: Constraint) -> XgrammarMatcher:
+        return XgrammarMatcher(self._compile(constraint))
