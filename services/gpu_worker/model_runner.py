@@ -125,6 +125,13 @@ class ModelRunner(WorkerBackend):
             )
         self.model = model.to(self.dtype).to_empty(device=self.device).eval()
         int8 = config.model.cpu_activation_quant == "int8"
+        only_quantized = (
+            "--cpu-activation-quant int8 applies to a GGUF model's quantized matrices "
+            "(Q4_0/Q4_1/Q8_0) on CPU with --dtype float32 and --quantization auto or "
+            "gguf; this model has none loaded that way"
+        )
+        if int8 and (config.model.quantization == "none" or self.dtype != torch.float32):
+            raise ModelLoadError(only_quantized)  # whatever the CPU: the flags do not fit
         if int8:
             from kernels.cpu import int8_activations_supported
 
@@ -136,11 +143,7 @@ class ModelRunner(WorkerBackend):
             self.model.int8_activations = True
         self.model.load_weights(weights)
         if int8 and not self.model.int8_linears():
-            raise ModelLoadError(
-                "--cpu-activation-quant int8 applies to a GGUF model's quantized matrices "
-                "(Q4_0/Q4_1/Q8_0) on CPU with --dtype float32 and --quantization auto or "
-                "gguf; this model has none loaded that way"
-            )
+            raise ModelLoadError(only_quantized)
         self.num_layers = len(self.model.model.layers)  # this pipeline stage's
         self.link = StageLink(parallel, arch.hidden_size, self.dtype, self.device)
         self.block_size = config.cache.block_size
