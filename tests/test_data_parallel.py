@@ -155,6 +155,7 @@ def test_kv_events_carry_the_data_parallel_rank(dp_server) -> None:
         ctx.term()
 
 
+@pytest.mark.slow  # make test-slow; make test: DP=2 and TP=2 each
 def test_dp2_with_tp2_is_four_workers(small_model) -> None:
     """-dp 2 -tp 2: two engine cores of two ranks each, every one serving the same tokens."""
     from services.engine import LLM, SamplingParams

@@ -38,7 +38,11 @@ def test_batch_equals_hf(roomy_engine, greedy_prompts, hf_greedy_tokens):
     assert _tokens(roomy_engine.generate(greedy_prompts, GREEDY)) == hf_greedy_tokens
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+@pytest.mark.parametrize(
+    "prefix_caching",
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # make test: with the prefix cache
+    ids=["prefix-cache", "no-prefix-cache"],
+)
 def test_heavy_preemption_equals_hf(prefix_caching, greedy_prompts, hf_greedy_tokens):
     # 40 usable blocks of 16 = 640 tokens for ~700 tokens of prompts plus 256 of outputs:
     # requests must be preempted and recomputed to finish.

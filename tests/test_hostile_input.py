@@ -84,7 +84,7 @@ _PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 @pytest.mark.parametrize("path", _PATHS)
 def test_generated_requests_get_2xx_or_openai_4xx(api_schema, path, mode):
-    _fuzz(api_schema, path, mode, 30)
+    _fuzz(api_schema, path, mode, 20)
 
 
 @pytest.mark.slow

@@ -572,6 +572,7 @@ def _complete(url: str, prompt: str, **body) -> dict:
     return r.json()
 
 
+@pytest.mark.slow  # make test-slow; make test runs PD on the simulated backend
 def test_one_prefill_one_decode_over_nixl_matches_one_instance():
     """The same flow with NIXL moving the blocks (the decode rank READs them)."""
     pytest.importorskip("nixl_cu12")
@@ -593,6 +594,7 @@ def test_one_prefill_one_decode_over_nixl_matches_one_instance():
         assert "Initialized NIXL agent" in prefill.log and "Initialized NIXL agent" in decode.log
 
 
+@pytest.mark.slow  # make test-slow; make test runs PD on the simulated backend
 def test_one_prefill_one_decode_matches_one_instance():
     """The seeds' 1P1D flow through pd-proxy: greedy output equals a single instance's for
     a 15-token and a ~2,000-token prompt; the prefill side frees the blocks once pulled,

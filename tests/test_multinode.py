@@ -72,6 +72,7 @@ def test_two_nodes_serve_like_one(small_model: Path) -> None:
         _kill_group(node1)
 
 
+@pytest.mark.slow  # make test-slow; start-up errors also in make test
 def test_a_node_that_never_joins_is_a_start_up_error_naming_its_rank(small_model: Path) -> None:
     args = _node_args(small_model, free_port(), 0)
     args[args.index("--distributed-timeout") + 1] = "5"
@@ -187,6 +188,7 @@ def test_engine_cores_on_two_nodes_serve_like_one(small_model: Path) -> None:
         _kill_group(node1)
 
 
+@pytest.mark.slow  # make test-slow; make test: two nodes serving
 def test_an_engine_node_dying_stops_the_server_with_errors(small_model: Path) -> None:
     import httpx
 

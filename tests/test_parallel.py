@@ -41,6 +41,7 @@ def _children_of_this_process() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()}
 
 
+@pytest.mark.slow  # make test-slow; make test: TP=3 through the server, TP=2 offline
 def test_tp3_offline_equals_hf(greedy_prompts, hf_greedy_tokens) -> None:
     before = _children_of_this_process()
     # Prompts of several lengths, the long one chunked over steps, plus a seeded sample:
@@ -78,7 +79,11 @@ def _trace(folder: Path, rank: int) -> dict[int, tuple[float, float]]:
     return {int(e["name"].split()[1]): (e["ts"], e["ts"] + e["dur"]) for e in events}
 
 
-@pytest.mark.parametrize("partition", [None, "16,14"], ids=["even", "uneven"])
+@pytest.mark.parametrize(
+    "partition",
+    [pytest.param(None, marks=pytest.mark.slow), "16,14"],  # make test: the uneven split
+    ids=["even", "uneven"],
+)
 def test_pp2_offline_equals_hf_with_stages_busy_at_once(
     partition, greedy_prompts, hf_greedy_tokens, tmp_path, monkeypatch
 ) -> None:

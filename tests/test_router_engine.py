@@ -154,6 +154,7 @@ def _backend(url: str, replica: RemoteServer) -> dict:
     return next(b for b in listed if b["url"] == replica.url)
 
 
+@pytest.mark.slow  # make test-slow; make test: prefix_precise following evictions
 def test_prefix_precise_after_a_replica_restart() -> None:
     with contextlib.ExitStack() as stack:
         a = stack.enter_context(RemoteServer(*SIM_SMALL)).wait_ready()

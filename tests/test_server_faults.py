@@ -155,6 +155,7 @@ def test_disconnect_frees_blocks_then_sigterm_drains(make_server) -> None:
     _assert_all_gone(server, 5)
 
 
+@pytest.mark.slow  # make test-slow; make test: a stopped scheduler, the same path
 def test_kill9_worker_fails_requests_and_stops_server(make_server) -> None:
     server = make_server().wait_ready()
     pids = server.children()
