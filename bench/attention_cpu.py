@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from actorserve_kernels.cpu import load_cpu_ops, paged_attention_rows
 from bench.forward import _timed
-from kernels.cpu import load_cpu_ops, paged_attention_rows
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 

@@ -96,12 +96,12 @@ def row(
 # Every module that the parts below import, here or in the pytest subprocess: a package that
 # is missing (a lent GPU machine's image has no msgspec or gguf, say) shows up at once.
 MODULES = (
-    "triton", "numpy", "pytest", "kernels", "kernels.attention", "kernels.kv_cache",
+    "triton", "numpy", "pytest", "actorserve_kernels", "actorserve_kernels.attention", "actorserve_kernels.kv_cache",
     "services.config", "services.model_loader.weights", "services.gpu_worker.model_runner",
     "services.gpu_worker.attention.torch_backend", "services.gpu_worker.model.llama",
     "tests.conftest", "tests.test_kernels",
 )  # fmt: skip
-OURS = {"services", "kernels", "launch", "bench", "tests"}
+OURS = {"services", "actorserve_kernels", "launch", "bench", "tests"}
 
 
 def check_imports() -> dict[str, str]:
@@ -227,7 +227,7 @@ def sdpa_reference(inp: dict, batch: int, q_len: int, ctx: int) -> tuple[Callabl
 
 
 def attention_case(kind: str, batch: int, q_len: int, ctx: int, bandwidth: float) -> dict:
-    from kernels import num_kv_splits, paged_attention
+    from actorserve_kernels import num_kv_splits, paged_attention
 
     name = f"attn {kind} B={batch} q={q_len} ctx={ctx}"
     inp = paged_inputs(batch, q_len, ctx)

@@ -1,4 +1,4 @@
-"""The quantized linear (``kernels.cpu.quant_linear``, issue 15) against fp32 weights.
+"""The quantized linear (``actorserve_kernels.cpu.quant_linear``, issue 15) against fp32 weights.
 
 One decode step's linears of the default model (SmolLM2-135M: 30 layers of q, k, v, o,
 gate, up, down, and the 49,152 x 576 LM head), each with its own random weights so that
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-import kernels.cpu as kc
+import actorserve_kernels.cpu as kc
 from services.gpu_worker.model.layers import linear
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass, field, fields
@@ -21,6 +22,7 @@ from services.flags import (
     choices,
     coerce,
     flag,
+    parse_json_object,
     parse_size,
     parse_token_count,
 )
@@ -152,6 +154,17 @@ class SchedulerConfig:
             type=parse_token_count,
         ),
     )
+    structured_outputs_config: str | None = field(
+        default=None,
+        metadata=flag(
+            'structured outputs, vLLM\'s JSON: {"backend": "auto"|"xgrammar"|"guidance", '
+            '"disable_any_whitespace": false} (default: xgrammar)'
+        ),
+    )
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        return StructuredOutputsConfig.from_json(self.structured_outputs_config)
 
     @property
     def resolved_max_model_len(self) -> int:
@@ -166,6 +179,38 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens is unresolved: call EngineConfig.finalize()")
         return self.max_num_batched_tokens
+
+
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config``: vLLM's StructuredOutputsConfig, the fields we use.
+
+    ``backend`` is the grammar engine ("auto" is xgrammar, vLLM's default);
+    ``disable_any_whitespace`` makes JSON outputs compact for every request."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+
+    @classmethod
+    def from_json(cls, text: str | None) -> StructuredOutputsConfig:
+        if not text:
+            return cls()
+        raw = parse_json_object(
+            "--structured-outputs-config", text, {"backend", "disable_any_whitespace"}
+        )
+        backend = raw.get("backend", "auto")
+        check_choice("--structured-outputs-config backend", backend, STRUCTURED_OUTPUT_BACKENDS)
+        whitespace = raw.get("disable_any_whitespace", False)
+        if not isinstance(whitespace, bool):
+            raise ConfigError("--structured-outputs-config: disable_any_whitespace must be a bool")
+        return cls(backend, whitespace)
+
+    @property
+    def backend_name(self) -> str:
+        return "xgrammar" if self.backend == "auto" else self.backend
 
 
 @dataclass
@@ -244,6 +289,8 @@ class EngineConfig:
             if key not in owner:
                 raise ConfigError(f"unknown engine argument {key!r}")
             section, f = owner[key]
+            if key == "structured_outputs_config" and isinstance(value, dict):
+                value = json.dumps(value)  # vLLM's offline LLM takes the config as a dict
             setattr(section, key, coerce(f, value))
         cfg.validate()
         return cfg
@@ -312,6 +359,7 @@ class EngineConfig:
                 "machine's clock: run it on one machine (engine nodes only at --sim-speed 1)"
             )
         self.parallel.validate()
+        s.structured_outputs  # noqa: B018 (parsed for its errors)
         if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
             raise ConfigError(
                 "--async-scheduling with --pipeline-parallel-size > 1 is not supported: the "

@@ -34,6 +34,7 @@ from services.protocol import (
 )
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import Executor, UniprocExecutor
+from services.structured_output.manager import StructuredOutputManager, vocab_info
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.processor import RequestProcessor
 
@@ -102,7 +103,11 @@ class LLM:
         self.arch = arch
         self.tokenizer = load_tokenizer(folder)
         max_len = self.config.scheduler.resolved_max_model_len
-        self.processor = RequestProcessor(self.tokenizer, max_len)
+        self.processor = RequestProcessor(
+            self.tokenizer,
+            max_len,
+            structured_outputs_backend=self.config.scheduler.structured_outputs.backend_name,
+        )
         self._ranks: LocalWorkerRanks | None = None
         executor: Executor
         if self.config.parallel.world_size == 1:
@@ -112,7 +117,17 @@ class LLM:
 
             self._ranks = LocalWorkerRanks(self.config, folder)
             executor = self._ranks.executor
-        self.core = EngineCore(self.config, executor)
+        structured = self.config.scheduler.structured_outputs
+        self.core = EngineCore(
+            self.config,
+            executor,
+            structured_output=StructuredOutputManager(  # compiles in add_request: errors raise
+                structured.backend_name,
+                lambda: vocab_info(self.tokenizer, arch.vocab_size),
+                disable_any_whitespace=structured.disable_any_whitespace,
+                synchronous=True,
+            ),
+        )
         self.scheduler = self.core.scheduler
         self._ids = itertools.count()
         # Called after every step; tests use it to check the block pool's integrity.

@@ -12,7 +12,7 @@ import os
 import sys
 
 _FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
-_PACKAGES = ("services", "launch", "kernels", "bench")
+_PACKAGES = ("services", "launch", "actorserve_kernels", "bench")
 _configured = False
 
 

@@ -23,6 +23,57 @@ _STRUCT = {"array_like": True, "omit_defaults": True}
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 
 
+class InvalidParam(ValueError):
+    """A bad request parameter whose message does not start with its name."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
+    """vLLM's ``structured_outputs`` request field: exactly one constraint on the output.
+
+    ``json`` is a JSON schema as JSON text; ``choice`` the strings one of which is the whole
+    output; ``grammar`` EBNF (xgrammar's GBNF dialect); ``structural_tag`` xgrammar's
+    structural tag, as JSON text. ``disable_any_whitespace``: JSON in one layout (``", "`` and
+    ``": "`` between items, no newlines), not any whitespace the model likes (also the
+    server's ``--structured-outputs-config`` setting).
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds that are set (valid params set exactly one)."""
+        return [
+            k
+            for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+            if getattr(self, k) not in (None, False)
+        ]
+
+    def validate(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) > 1:
+            raise InvalidParam(
+                "You can only use one kind of structured outputs constraint but multiple are "
+                f"specified: {', '.join(kinds)}",
+                "structured_outputs",
+            )
+        if not kinds:
+            raise InvalidParam(
+                "You must use one kind of structured outputs constraint but none are specified",
+                "structured_outputs",
+            )
+        if self.choice is not None and not self.choice:
+            raise InvalidParam("Choice '[]' cannot be an empty list", "structured_outputs")
+
+
 class SamplingParams(msgspec.Struct, **_STRUCT):
     """How to sample one request's output, with vLLM's names and defaults.
 
@@ -52,6 +103,8 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = []  # never generated (as token sequences, after the tokenizer)
     bad_words_token_ids: list[list[int]] = []  # filled in by the tokenizer from bad_words
+    # One constraint on the output (the scheduler compiles it; workers never see it)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def validate(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         """ValueError("<param> <why>") for the first bad parameter; ``max_logprobs`` is
@@ -99,6 +152,8 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
             raise bad("allowed_token_ids", "must not be empty.")
         if any(not math.isfinite(b) for b in self.logit_bias.values()):
             raise bad("logit_bias", "values must be finite numbers.")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def out_of_vocab_token(self, vocab_size: int) -> tuple[str, int] | None:
         """The first token id (and its parameter) that names no token of the vocabulary."""
@@ -180,6 +235,11 @@ class StepPlan(msgspec.Struct, **_STRUCT):
     # time.monotonic() when the executor sent it (0: not stamped): the simulated backend's
     # device starts the step then, or when it finishes the previous one if that is later.
     sent_at: float = 0.0
+    # Structured outputs: the requests of this step that sample under a grammar, and the
+    # tokens each may sample, one bitmask row per request in that order (int32 words, bit
+    # t % 32 of word t // 32 set when token t is allowed; services/structured_output).
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -76,7 +76,7 @@ BAD = [
     ("/v1/chat/completions", _chat(tool_choice="auto"), 400, "tool_choice"),
     (
         "/v1/chat/completions",
-        _chat(response_format={"type": "json_object"}),
+        _chat(response_format={"type": "yaml"}),
         400,
         "response_format",
     ),

@@ -1,4 +1,4 @@
-"""The C++ CPU ops (``kernels.cpu``): paged attention against the float64 brute-force
+"""The C++ CPU ops (``actorserve_kernels.cpu``): paged attention against the float64 brute-force
 reference of the Triton tests, the small-batch linear against float64 matmul, on fresh
 random inputs each run.
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.cpu import (
+from actorserve_kernels.cpu import (
     INT8_ACTIVATIONS,
     QUANT_TYPES,
     int8_activations_supported,
@@ -333,7 +333,7 @@ def test_model_linear_uses_streaming_op_for_one_token(monkeypatch: pytest.Monkey
     same result either way (bias included)."""
     import types
 
-    import kernels.cpu
+    import actorserve_kernels.cpu
     from services.gpu_worker.model import layers
 
     calls: list[int] = []
@@ -352,14 +352,16 @@ def test_model_linear_uses_streaming_op_for_one_token(monkeypatch: pytest.Monkey
             assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
     assert calls == [1, 2]
     monkeypatch.undo()
-    assert layers._cpu_op("small_linear") is kernels.cpu.small_linear  # resolved once, reused
+    assert (
+        layers._cpu_op("small_linear") is actorserve_kernels.cpu.small_linear
+    )  # resolved once, reused
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_rms_norm_and_silu_and_mul(tokens: int) -> None:
     """The fused ops against float64 math, with and without the residual add, on a
     strided input (a row view of a wider tensor) and enough tokens to split them."""
-    from kernels.cpu import rms_norm, silu_and_mul
+    from actorserve_kernels.cpu import rms_norm, silu_and_mul
 
     seed = secrets.randbits(32)
     gen = torch.Generator().manual_seed(seed)
@@ -386,7 +388,7 @@ def test_rms_norm_and_silu_and_mul(tokens: int) -> None:
 
 def test_ops_reject_bad_indices_and_shapes() -> None:
     """Index tensors and shapes that would read or write outside the tensors are errors."""
-    from kernels.cpu import rms_norm
+    from actorserve_kernels.cpu import rms_norm
 
     batch, _ = _batch([(20, 1)], block_size=16, heads=(4, 4), head_dim=64, dtype=torch.float32)
     rows, reqs, ctx = _rows(batch)
@@ -425,7 +427,7 @@ def test_layers_fall_back_on_strided_inputs() -> None:
 def test_rotary_embedding_in_place(tokens: int, head_dim: int) -> None:
     """The op rotates the q/k heads of a fused qkv tensor in place, as the torch formula
     does, and leaves the v heads alone."""
-    from kernels.cpu import rotary_embedding_
+    from actorserve_kernels.cpu import rotary_embedding_
     from services.gpu_worker.model.layers import RotaryEmbedding
 
     rope = RotaryEmbedding(head_dim, 256, 10000.0, None)

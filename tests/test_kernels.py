@@ -1,7 +1,7 @@
 """Triton kernels against a float64 brute-force reference, on fresh random inputs each run.
 
 Without a GPU the kernels run in Triton's interpreter. Triton fixes compiled-or-interpreted
-when ``@triton.jit`` decorates a function, so ``kernels/__init__.py`` sets
+when ``@triton.jit`` decorates a function, so ``actorserve_kernels/__init__.py`` sets
 TRITON_INTERPRET=1 on CUDA-less hosts before importing its kernel modules, and the kernels
 avoid Triton's own @jit library functions (``tl.max``, ``tl.sum``...), which are fixed when
 triton is first imported, possibly earlier (transformers imports it). So the tests work
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import num_kv_splits, paged_attention, reshape_and_cache
+import actorserve_kernels
+from actorserve_kernels import num_kv_splits, paged_attention, reshape_and_cache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -36,7 +36,7 @@ TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 def test_interpreter_mode() -> None:
     from triton.runtime.jit import JITFunction
 
-    kernel = kernels.attention._paged_attention_kernel
+    kernel = actorserve_kernels.attention._paged_attention_kernel
     if DEVICE.type == "cpu":
         assert os.environ.get("TRITON_INTERPRET") == "1"
         assert not isinstance(kernel, JITFunction), "kernels were compiled, cannot run on CPU"
@@ -79,7 +79,7 @@ def test_kernels_compile_for_cuda(arch: str) -> None:
     for sm_<arch> (no GPU needed; ~10 s with a cold Triton cache)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--arch", arch],
+        [sys.executable, "-m", "actorserve_kernels.compile_check", "--arch", arch],
         cwd=Path(__file__).resolve().parent.parent,
         env=env,
         capture_output=True,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kernels.cpu import QUANT_TYPES, int8_activations_supported, load_cpu_ops
+from actorserve_kernels.cpu import QUANT_TYPES, int8_activations_supported, load_cpu_ops
 from services.config import ModelArchConfig
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from services.gpu_worker.model.layers import Linear, VocabParallelEmbedding
@@ -345,10 +345,10 @@ def test_int8_activations_need_quantized_weights() -> None:
 
 
 def test_int8_activations_need_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.cpu
+    import actorserve_kernels.cpu
     from services.engine import LLM
     from services.model_loader import ModelLoadError
 
-    monkeypatch.setattr(kernels.cpu, "int8_activations_supported", lambda: False)
+    monkeypatch.setattr(actorserve_kernels.cpu, "int8_activations_supported", lambda: False)
     with pytest.raises(ModelLoadError, match="needs a CPU with AVX-512 VNNI"):
         LLM(cpu_activation_quant="int8", max_model_len=256)

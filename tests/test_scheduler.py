@@ -92,11 +92,15 @@ class SimWorker:
                 slot = self.kv[state.block_ids[pos // bs]][pos % bs]
                 assert slot == self._slot(state.token_ids, pos), f"{req_id}: bad KV at {pos}"
             if self.samples and state.num_computed_tokens == len(state.token_ids):
-                token = token_fn(req_id, len(state.token_ids))
+                token = self.pick(plan, req_id, len(state.token_ids))
                 state.token_ids.append(token)
                 result.req_ids.append(req_id)
                 result.sampled_token_ids.append(token)
         return result
+
+    def pick(self, plan: StepPlan, req_id: str, pos: int) -> int:
+        """The token ``req_id`` samples at ``pos`` in ``plan``."""
+        return token_fn(req_id, pos)
 
     @staticmethod
     def _slot(token_ids: list[int], pos: int) -> tuple[int, int]:

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TREES = ("services", "launch", "kernels", "bench")
+TREES = ("services", "launch", "actorserve_kernels", "bench")
 
 # module -> its functions that turn bytes into objects by running code (pickle's opcodes,
 # marshal's code objects), or torch.distributed helpers that pickle under the hood.

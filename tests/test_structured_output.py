@@ -22,6 +22,7 @@ from services.structured_output.backend import (
     GrammarError,
     VocabInfo,
     allocate_bitmask,
+    check_constraint,
     load_backend,
 )
 from services.structured_output.bitmask import apply_token_bitmask
@@ -140,9 +141,13 @@ def test_a_forbidden_token_is_refused_and_the_matcher_stays(backend, tok):
     ],
 )
 def test_a_bad_constraint_says_what_is_wrong(backend, constraint, says):
-    with pytest.raises(GrammarError, match=re.escape(says)) as e:
-        backend.validate(constraint)
-    assert "/project/cpp" not in str(e.value)  # the library's source location is cut
+    """The same error from the cheap check (the tokenizer's, no vocabulary) and the compile
+    (the scheduler's)."""
+    for attempt in (lambda: check_constraint("xgrammar", constraint),
+                    lambda: backend.matcher(constraint)):  # fmt: skip
+        with pytest.raises(GrammarError, match=re.escape(says)) as e:
+            attempt()
+        assert "/project/cpp" not in str(e.value)  # the library's source location is cut
 
 
 def test_unknown_kind_and_backend():
@@ -168,3 +173,28 @@ def test_bitmask_application_matches_xgrammars(backend):
     assert torch.equal(torch.isinf(logits), torch.isinf(want))
     assert torch.equal(logits[torch.isfinite(logits)], want[torch.isfinite(want)])
     assert torch.isinf(logits[1]).any() and not torch.isinf(logits[[0, 2]]).any()
+
+
+@pytest.mark.parametrize("form", ["xgrammar", "vllm_structures"])
+def test_structural_tag_accepts_its_text_and_refuses_other(backend, tok, form):
+    """Both forms of a structural tag: xgrammar's ``format`` and vLLM's older ``structures``
+    with ``triggers`` (free text until a trigger, then the tagged JSON)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    if form == "xgrammar":
+        tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<x>",
+               "content": {"type": "json_schema", "json_schema": schema}, "end": "</x>"}}  # fmt: skip
+        good, bad = '<x>{"a": 5}</x>', '<x>{"a": "five"}</x>'
+    else:
+        tag = {"type": "structural_tag", "triggers": ["<x>"],
+               "structures": [{"begin": "<x>", "schema": schema, "end": "</x>"}]}  # fmt: skip
+        good, bad = 'Sure. <x>{"a": 5}</x> done', 'Sure. <x>{"b": 5}</x>'
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(Constraint("structural_tag", json.dumps(tag)))
+        return all(matcher.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    assert accepts(good) and not accepts(bad)
+    check_constraint("xgrammar", Constraint("structural_tag", json.dumps(tag)))
+    with pytest.raises(GrammarError, match="structural_tag"):
+        check_constraint("xgrammar", Constraint("structural_tag", '{"structures": [{}]}'))

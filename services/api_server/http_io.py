@@ -184,7 +184,8 @@ def validate_sampling(sampling: SamplingParams, max_logprobs: int) -> None:
     try:
         sampling.validate(max_logprobs)
     except ValueError as e:
-        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+        param = getattr(e, "param", None) or str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param) from None
 
 
 class ClientGone(Exception):

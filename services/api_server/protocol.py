@@ -6,12 +6,14 @@ in vLLM's shapes (``serving.py``); only requests need validation.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.config import RequestLimits
-from services.protocol import SamplingParams
+from services.protocol import SamplingParams, StructuredOutputsParams
 
 _INT64 = 2**63  # integers travel as int64: larger ones are refused here, with a 400
 TokenId = Annotated[int, Field(ge=0, lt=_INT64)]
@@ -50,6 +52,68 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` request field: one constraint (``json`` a schema, as an
+    object or JSON text; ``structural_tag`` likewise)."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=_as_text(self.json_schema),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=self.json_object,
+            structural_tag=_as_text(self.structural_tag),
+            disable_any_whitespace=self.disable_any_whitespace,
+        )
+
+
+def _as_text(value: dict[str, Any] | str | None) -> str | None:
+    return json.dumps(value) if isinstance(value, dict) else value
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``, and vLLM's ``structural_tag`` type (``format``, or
+    ``structures`` and ``triggers``, kept as given for the grammar engine)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ParamError(
+                    "response_format",
+                    "When response_format type is 'json_schema', the 'json_schema' field must "
+                    "be provided.",
+                )
+            if self.json_schema.json_schema is None:  # no schema: any JSON object (OpenAI's)
+                return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json=json.dumps(self.json_schema.json_schema))
+        tag = self.model_dump(exclude={"json_schema"}, exclude_none=True)
+        return StructuredOutputsParams(structural_tag=json.dumps(tag))
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
@@ -81,6 +145,21 @@ class _SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None  # vLLM's: words never to generate
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's: PD disaggregation (pd-proxy)
     allowed_token_ids: list[TokenId] | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (vLLM takes it on completions too)
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint: ``structured_outputs``, with ``response_format``
+        merged in as vLLM merges it (both set: two kinds, refused by ``validate``)."""
+        given = self.structured_outputs.params() if self.structured_outputs else None
+        implied = self.response_format.params() if self.response_format else None
+        if implied is None:
+            return given
+        if given is None:
+            return implied
+        merged = {f: getattr(given, f) for f in given.__struct_fields__}
+        merged.update({k: v for k, v in msgspec.structs.asdict(implied).items() if v})
+        return StructuredOutputsParams(**merged)
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -108,6 +187,7 @@ class _SamplingFields(OpenAIBaseModel):
             bad_words=list(self.bad_words or []),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     def _logit_bias(self) -> dict[int, float]:
@@ -228,7 +308,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self, limits: RequestLimits) -> None:
         super().check(limits)
@@ -252,11 +331,6 @@ class ChatCompletionRequest(_SamplingFields):
             )
         if self.tools and choice != "none":
             raise ParamError("tool_choice", f"tool_choice {choice!r} is not supported.")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ParamError(
-                "response_format", f"response_format type {kind!r} is not supported (only 'text')."
-            )
 
     def template(self) -> str | None:
         """The request's own chat template (vLLM also takes one in ``chat_template_kwargs``);

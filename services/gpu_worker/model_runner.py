@@ -25,6 +25,7 @@ from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
 from services.model_loader import ModelLoadError, dummy_weights, iter_weights, load_hf_config
 from services.model_loader.gguf_convert import gguf_source, iter_gguf_weights
 from services.protocol import KVLayout, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from services.structured_output.bitmask import apply_token_bitmask, bitmask_rows
 
 # Prompt logprobs score this many positions at a time: [rows, vocab] fp32 logits stay small.
 _PROMPT_LOGPROBS_ROWS = 256
@@ -111,7 +112,7 @@ class ModelRunner(WorkerBackend):
         )
         self.attn_backend = get_attention_backend(backend_name)
         if self.device.type == "cpu":
-            from kernels.cpu import load_cpu_ops
+            from actorserve_kernels.cpu import load_cpu_ops
 
             load_cpu_ops()  # build (first run on a machine) during start-up, not mid-request
         # Built on the meta device, then materialised once in the target dtype: no
@@ -133,7 +134,7 @@ class ModelRunner(WorkerBackend):
         if int8 and (config.model.quantization == "none" or self.dtype != torch.float32):
             raise ModelLoadError(only_quantized)  # whatever the CPU: the flags do not fit
         if int8:
-            from kernels.cpu import int8_activations_supported
+            from actorserve_kernels.cpu import int8_activations_supported
 
             if not int8_activations_supported():
                 raise ModelLoadError(
@@ -168,7 +169,7 @@ class ModelRunner(WorkerBackend):
             return iter_weights(folder, self.dtype)
         usable = self.device.type == "cpu" and self.dtype == torch.float32
         if usable:
-            from kernels.cpu import QUANT_TYPES, load_cpu_ops
+            from actorserve_kernels.cpu import QUANT_TYPES, load_cpu_ops
 
             usable = load_cpu_ops()
         if not usable:
@@ -319,7 +320,10 @@ class ModelRunner(WorkerBackend):
                     prompt_logprobs=prompt_logprobs,
                 )
             logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
+            if plan.grammar_req_ids:
+                _apply_grammar(logits, plan, sample_states)
             md = batch.sampling_metadata(sample_states, logits.shape[1])
+            md.constrained = bool(plan.grammar_req_ids)
             out = self.sampler(logits, md)
         sampled = out.sampled_token_ids.cpu().numpy()
         batch.append_tokens(rows[sampling], sampled, sample_states)
@@ -417,6 +421,17 @@ def _token_logprobs(
             strict=True,
         )
     ]
+
+
+def _apply_grammar(
+    logits: torch.Tensor, plan: StepPlan, sample_states: list[CachedRequestState]
+) -> None:
+    """The plan's bitmask rows onto the logits of the requests they belong to (before
+    logprobs and sampling, as vLLM: a constrained request's logprobs are the grammar's)."""
+    index = {s.req_id: i for i, s in enumerate(sample_states)}
+    rows = [index[req_id] for req_id in plan.grammar_req_ids]  # a row for each, or a bug
+    bitmask = bitmask_rows(plan.grammar_bitmask, len(rows))
+    apply_token_bitmask(logits, torch.tensor(rows, device=logits.device), bitmask)
 
 
 def _to_token_logprobs(

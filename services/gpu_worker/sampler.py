@@ -1,9 +1,10 @@
 """Token sampling, vectorised over the batch, with vLLM v1's semantics.
 
-Order: raw logprobs (if asked) -> allowed_token_ids -> logit_bias -> penalties ->
-min_tokens stop masking -> greedy argmax | temperature -> min-p -> top-k/top-p -> sample. Sampling uses the
-exponential race ``argmax(probs / q)``, q ~ Exp(1): a seeded request draws q from
-its own generator, so its tokens do not depend on what else is in the batch.
+Order: (the grammar's bitmask, applied by the model runner) -> raw logprobs (if asked) ->
+allowed_token_ids -> logit_bias -> penalties -> min_tokens stop masking -> greedy argmax |
+temperature -> min-p -> top-k/top-p -> sample. Sampling uses the exponential race
+``argmax(probs / q)``, q ~ Exp(1): a seeded request draws q from its own generator, so its
+tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # [N, vocab] True where a token may NOT be sampled (allowed_token_ids); None = no limits
     disallowed_mask: torch.Tensor | None = None
+    # Some rows' logits are already masked by a grammar (structured outputs): where the
+    # masks below leave such a row nothing (min_tokens forbids the EOS the grammar wants),
+    # the grammar wins.
+    constrained: bool = False
 
 
 @dataclass
@@ -123,6 +128,7 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
+        grammar_only = logits if md.constrained else None
         if md.disallowed_mask is not None:
             logits = logits.masked_fill(md.disallowed_mask, _NEG_INF)
         if md.logit_bias is not None:
@@ -134,6 +140,9 @@ class Sampler:
             logits = logits.index_put(
                 md.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device)
             )
+        if grammar_only is not None:
+            nothing_left = torch.isneginf(logits).all(dim=-1, keepdim=True)
+            logits = torch.where(nothing_left, grammar_only, logits)
         greedy_tokens = logits.argmax(dim=-1)
         if md.all_greedy:
             out.sampled_token_ids = greedy_tokens

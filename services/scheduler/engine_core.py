@@ -17,6 +17,7 @@ from services.protocol import KVTransferDone, RequestTokens, StepPlan, Tokenized
 from services.scheduler.executor import Executor
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
+from services.structured_output.manager import StructuredOutputManager
 
 
 class EngineCore:
@@ -28,7 +29,12 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, executor: Executor, *, enable_kv_cache_events: bool = False
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        *,
+        enable_kv_cache_events: bool = False,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.executor = executor
         # One plan in flight per pipeline stage: the stages work on different micro-batches.
@@ -43,6 +49,7 @@ class EngineCore:
             pipeline_depth=pp,
             async_scheduling=config.scheduler.async_scheduling,
             kv_connector=create_scheduler_connector(config, executor.kv_block_bytes),
+            structured_output=structured_output,
         )
         self.last_execute_s = 0.0  # the wait for the workers in the last step, for metrics
         self._in_flight: deque[StepPlan] = deque()  # submitted, result not yet taken in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -11,14 +12,18 @@ from services import clock
 from services.protocol import PromptLogprobs, SamplingParams, TokenizedRequest, TokenLogprobs
 from services.scheduler.block_hash import BlockHash
 
+if TYPE_CHECKING:
+    from services.structured_output.backend import Matcher
+
 
 class RequestStatus(enum.IntEnum):
-    """Where a request is. Every status after WAITING_FOR_REMOTE_KVS is a finished one."""
+    """Where a request is. Every status after WAITING_FOR_GRAMMAR is a finished one."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # back in the waiting queue, to be recomputed
     WAITING_FOR_REMOTE_KVS = enum.auto()  # has blocks; a KV connector is filling them
+    WAITING_FOR_GRAMMAR = enum.auto()  # its structured-output grammar is compiling
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -105,6 +110,8 @@ class Request:
 
         # Prompt tokens 1.. scored so far (prompt_logprobs), sent once with the first output.
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # Structured outputs: where the output is in its grammar (services/structured_output)
+        self.grammar: Matcher | None = None
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedRequest) -> Request:
@@ -151,11 +158,15 @@ class Request:
 
     @property
     def worker_sampling_params(self) -> SamplingParams:
-        """What the worker needs: no prompt logprobs once they went out (a request resumed
-        after preemption recomputes its prompt; scoring it again would be wasted)."""
-        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_pending:
-            return msgspec.structs.replace(self.sampling_params, prompt_logprobs=None)
-        return self.sampling_params
+        """What the worker needs: no grammar (its bitmask rows come with each step), and no
+        prompt logprobs once they went out (a request resumed after preemption recomputes
+        its prompt; scoring it again would be wasted)."""
+        params = self.sampling_params
+        if params.structured_outputs is not None:  # the scheduler's matter: bitmask rows
+            params = msgspec.structs.replace(params, structured_outputs=None)
+        if params.prompt_logprobs is not None and not self.prompt_logprobs_pending:
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
+        return params
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

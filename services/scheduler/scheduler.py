@@ -34,6 +34,8 @@ from services.scheduler.request import (
 )
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.stats import PrefixCacheStats, SchedulerStats
+from services.structured_output.backend import GrammarError
+from services.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,12 @@ class Scheduler:
     goes back to the head of the queue to compute its prompt.
     A finished request whose blocks the connector holds for a transfer stays in
     ``held`` until every rank reports the transfer over.
+
+    A request with structured outputs waits for its grammar (``WAITING_FOR_GRAMMAR``,
+    compiled by ``structured_output`` off this thread) before it joins the queue; each plan
+    carries a bitmask row for every constrained request that samples in it, and its
+    sampled tokens advance the request's matcher. With async scheduling a constrained
+    request is not planned again until its last token is back (its row depends on it).
     """
 
     def __init__(
@@ -86,8 +94,10 @@ class Scheduler:
         pipeline_depth: int = 1,
         async_scheduling: bool = False,
         kv_connector: KVConnectorScheduler | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.structured_output = structured_output
         self.connector = kv_connector
         self.pipeline_depth = pipeline_depth
         self.async_scheduling = async_scheduling
@@ -149,6 +159,14 @@ class Scheduler:
                 f"request {request.req_id!r} has {request.num_prompt_tokens} prompt tokens; "
                 f"it needs between 1 and max_model_len={self.max_model_len}"
             )
+        compiling = False
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("this engine has no structured outputs backend")
+            try:
+                compiling = not self.structured_output.add(request)
+            except GrammarError as e:
+                raise ValueError(str(e)) from None
         if self.connector is not None:
             self.connector.request_added(request)
         if self.block_hasher is not None:
@@ -156,10 +174,13 @@ class Scheduler:
             request.set_block_hasher(
                 lambda r: hasher.hash_blocks(r.all_token_ids, r.cache_salt, r.block_hashes)
             )
-        request.status = RequestStatus.WAITING
         request.record_event(RequestEventType.QUEUED)
         self.requests[request.req_id] = request
-        self.waiting.add(request)
+        if compiling:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
 
     def finish_requests(
         self, req_ids: list[str], finish_reason: str = "stop", stop_reason: str | None = None
@@ -181,6 +202,9 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.loading[req_id]
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                assert self.structured_output is not None
+                self.structured_output.discard(req_id)
             elif req_id in self.loaded:
                 del self.loaded[req_id]
             else:
@@ -198,6 +222,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self._finished_req_ids[request.req_id] = None
         request.status = status
+        request.grammar = None
         hold = False
         if self.connector is not None:
             blocks = self.kv_cache_manager.req_to_blocks.get(request.req_id, [])
@@ -221,6 +246,8 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        if self.structured_output is not None:
+            self._take_compiled()
 
         # Running requests: decodes first, then unfinished prefill chunks.
         decodes: list[Request] = []
@@ -236,6 +263,8 @@ class Scheduler:
             num_new = _num_to_compute(request)
             if num_new == 0:
                 continue  # its sampled token has not come back yet
+            if request.grammar is not None and request.num_output_placeholders:
+                continue  # its next bitmask row needs the token a plan in flight samples
             pending = request.num_output_placeholders
             if pending and reaches_length(request, self.max_model_len, pending):
                 continue  # the tokens its plans in flight sample end it: no step past that
@@ -347,17 +376,36 @@ class Scheduler:
         self._finished_req_ids.clear()
         self._next_step_id += 1
         sampling: set[str] = set()
+        constrained: list[Request] = []
         for request in itertools.chain(scheduled_new, scheduled_running):
             request.num_computed_tokens += num_scheduled[request.req_id]
             request.num_tokens_at_workers = request.num_tokens
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 sampling.add(request.req_id)
+                if request.grammar is not None:
+                    constrained.append(request)
                 if self.async_scheduling:
                     request.num_output_placeholders += 1  # the next plan may build on it
         if sampling:
             self._sampling_by_step[plan.step_id] = sampling
+        if constrained:
+            assert self.structured_output is not None
+            plan.grammar_req_ids, plan.grammar_bitmask = self.structured_output.bitmask(constrained)
         self._last_step_num_tokens = plan.total_num_scheduled_tokens
         return plan
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar compiled join the queue; those whose grammar failed end
+        in an error."""
+        assert self.structured_output is not None
+        ready, failed = self.structured_output.take_compiled()
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        for request, error in failed:
+            logger.warning("request %s: %s", request.req_id, error)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            self._pending_outputs.append(self._output(request, [], "error"))
 
     def _admit(self, request: Request, scheduled_new: list[Request]) -> None:
         request.status = RequestStatus.RUNNING
@@ -517,6 +565,8 @@ class Scheduler:
                 request.append_output_token_ids(new_token_ids)
                 request.record_event(RequestEventType.NEW_TOKENS, now)
                 status = check_stop(request, self.max_model_len)
+                if request.grammar is not None:
+                    status = self._advance_grammar(request, new_token_ids[0], status)
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
@@ -532,6 +582,23 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _advance_grammar(
+        self, request: Request, token_id: int, status: RequestStatus | None
+    ) -> RequestStatus | None:
+        """Move the request's matcher past its new token: an error if the grammar refuses it,
+        a stop once the grammar is complete (nothing else could follow)."""
+        assert self.structured_output is not None and request.grammar is not None
+        if not self.structured_output.accept(request, token_id):
+            logger.error(
+                "request %s sampled token %d, which its grammar does not allow",
+                request.req_id,
+                token_id,
+            )
+            return RequestStatus.FINISHED_ERROR
+        if status is None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     @staticmethod
     def _output(
@@ -556,8 +623,10 @@ class Scheduler:
     # ------------------------------------------------------------------ state out
 
     def has_unfinished_requests(self) -> bool:
-        """Requests a step can advance (not those waiting for a KV load: a report wakes them)."""
-        return len(self.requests) > len(self.loading)
+        """Requests a step can advance (not those waiting for a KV load, or for their
+        grammar to compile: a report, or the compile's end, wakes the loop)."""
+        compiling = self.structured_output.num_compiling() if self.structured_output else 0
+        return len(self.requests) > len(self.loading) + compiling
 
     def has_finished_requests(self) -> bool:
         """Finishes the workers or the detokenizer have not been told of yet: worth a step."""
@@ -594,13 +663,15 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         # vLLM counts requests waiting for their KV as deferred; loaded ones wait for a place.
-        by_reason = {"capacity": len(self.loaded), "deferred": len(self.loading)}
+        compiling = len(self.requests) - len(self.running) - len(self.waiting)
+        compiling -= len(self.loading) + len(self.loaded)
+        by_reason = {"capacity": len(self.loaded), "deferred": len(self.loading) + compiling}
         for request in self.waiting:
             by_reason[request.waiting_reason] += 1
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.loading) + len(self.loaded),
+            num_waiting_reqs=len(self.waiting) + len(self.loading) + len(self.loaded) + compiling,
             num_waiting_by_reason=by_reason,
             kv_cache_usage=pool.get_usage(),
             prefix_cache_stats=pool.prefix_cache_stats,
@@ -618,6 +689,11 @@ class Scheduler:
         running_ids = [r.req_id for r in self.running]
         waiting_ids = [r.req_id for r in self.waiting]
         others = [*self.loading, *self.loaded]
+        others += [
+            r.req_id
+            for r in self.requests.values()
+            if r.status == RequestStatus.WAITING_FOR_GRAMMAR
+        ]
         if sorted(running_ids + waiting_ids + others) != sorted(self.requests):
             problems.append("running + waiting + loading + loaded != all requests")
         if len(self.running) > self.scheduler_config.max_num_seqs:

@@ -36,6 +36,7 @@ from services.protocol import (
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import MultiprocExecutor
 from services.scheduler.kv_events import KVEventPublisher
+from services.structured_output.manager import StructuredOutputManager, vocab_from_folder
 
 logger = init_logger(__name__)
 
@@ -60,13 +61,20 @@ class EngineCoreProc:
             config.num_blocks,
             kv_block_bytes=config.kv_block_bytes,
         )
+        self._inputs: queue.SimpleQueue[EngineCoreInput | None] = queue.SimpleQueue()
+        structured = engine.scheduler.structured_outputs
         self.core = EngineCore(
             engine,
             self.executor,
             enable_kv_cache_events=ep.kv_events is not None or data_parallel,
+            structured_output=StructuredOutputManager(
+                structured.backend_name,
+                vocab_from_folder(config.model_folder),
+                disable_any_whitespace=structured.disable_any_whitespace,
+                wake=lambda: self._inputs.put(None),  # a grammar compiled: step again
+            ),
         )
         self.scheduler = self.core.scheduler
-        self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._early_aborts: dict[str, None] = {}
         self._detok = PushSocket[TokenBatch](ep.detok_tokens, TokenBatch)
         self._kv_events = (

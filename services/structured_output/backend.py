@@ -63,8 +63,10 @@ class Matcher(Protocol):
 class GrammarBackend(Protocol):
     vocab_size: int
 
-    def validate(self, constraint: Constraint) -> None:
-        """Raise ``GrammarError`` if ``constraint`` cannot be compiled."""
+    @staticmethod
+    def check(constraint: Constraint) -> None:
+        """Raise ``GrammarError`` if ``constraint`` is not a grammar this engine takes: its
+        syntax, without the vocabulary (cheap; the tokenizer processes call it)."""
         ...
 
     def matcher(self, constraint: Constraint) -> Matcher:
@@ -81,29 +83,53 @@ class VocabInfo:
     stop_token_ids: tuple[int, ...]
 
 
-BackendFactory = Callable[[VocabInfo], GrammarBackend]
-BACKENDS: dict[str, BackendFactory] = {}
+BACKENDS: dict[str, type[GrammarBackend]] = {}
 
 
-def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
-    def add(factory: BackendFactory) -> BackendFactory:
-        BACKENDS[name] = factory
-        return factory
+def register_backend(name: str) -> Callable[[type[GrammarBackend]], type[GrammarBackend]]:
+    def add(cls: type[GrammarBackend]) -> type[GrammarBackend]:
+        BACKENDS[name] = cls
+        return cls
 
     return add
 
 
-def load_backend(name: str, vocab: VocabInfo) -> GrammarBackend:
+def backend_class(name: str) -> type[GrammarBackend]:
+    """The backend registered as ``name``; its module is imported on first use (xgrammar's
+    import brings torch and transformers: ~2 s and ~300 MB, paid only by the processes that
+    see a constrained request)."""
     if name not in BACKENDS:
-        # Imported here: each backend module registers itself, and xgrammar's import
-        # (torch, transformers) is paid only by the processes that constrain tokens.
-        from services.structured_output import xgrammar_backend  # noqa: F401
+        import importlib
 
+        module = _MODULES.get(name)
+        if module is not None:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise GrammarError(
+                    f"the {name!r} structured outputs backend needs a package that is not "
+                    f"installed: {e}"
+                ) from None
     if name not in BACKENDS:
         raise GrammarError(
-            f"unknown structured outputs backend {name!r}; known: {', '.join(sorted(BACKENDS))}"
+            f"unknown structured outputs backend {name!r}; known: {', '.join(sorted(_MODULES))}"
         )
-    return BACKENDS[name](vocab)
+    return BACKENDS[name]
+
+
+_MODULES = {
+    "xgrammar": "services.structured_output.xgrammar_backend",
+    "guidance": "services.structured_output.guidance_backend",
+}
+
+
+def load_backend(name: str, vocab: VocabInfo) -> GrammarBackend:
+    return backend_class(name)(vocab)  # type: ignore[call-arg]
+
+
+def check_constraint(name: str, constraint: Constraint) -> None:
+    """``GrammarError`` (what is wrong) unless backend ``name`` can compile ``constraint``."""
+    backend_class(name).check(constraint)
 
 
 def choices(spec: str) -> list[str]:

@@ -19,3 +19,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
         allowed = torch.cat([allowed, pad.to(allowed.device)], dim=1)
     picked = logits[rows]
     logits[rows] = picked.masked_fill(~allowed, float("-inf"))
+
+
+def bitmask_rows(bitmask: bytes, num_rows: int) -> torch.Tensor:
+    """A plan's ``grammar_bitmask`` bytes as [rows, words] int32 (a copy: bytes are
+    read-only)."""
+    return torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(num_rows, -1)

@@ -60,6 +60,35 @@ class XgrammarMatcher:
         return bool(self._matcher.is_terminated())
 
 
+def _structural_tag(spec: str) -> str | tuple[list[xgr.StructuralTagItem], list[str]]:
+    """xgrammar's arguments for a structural tag: its own format (``{"type":
+    "structural_tag", "format": ...}``) as text, or vLLM's older one (``structures`` of
+    begin / JSON schema / end, and ``triggers``) as tag items and triggers."""
+    try:
+        tag = json.loads(spec)
+    except ValueError:
+        return spec  # xgrammar says what is wrong with it
+    if isinstance(tag, dict) and "structures" in tag:
+        try:
+            items = [
+                xgr.StructuralTagItem(
+                    begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]
+                )
+                for s in tag["structures"]
+            ]
+            return items, list(tag["triggers"])
+        except (KeyError, TypeError) as e:
+            raise GrammarError(
+                "Invalid structural_tag for structured outputs: each of 'structures' needs "
+                f"'begin', 'schema' and 'end', and 'triggers' a list ({e!r} missing or wrong)"
+            ) from None
+    return spec
+
+
+def _invalid(c: Constraint, e: Exception) -> GrammarError:
+    return GrammarError(f"Invalid {c.kind} for structured outputs: {_message(e)}")
+
+
 @register_backend("xgrammar")
 class XgrammarBackend:
     def __init__(self, vocab: VocabInfo, max_threads: int = 2) -> None:
@@ -67,6 +96,28 @@ class XgrammarBackend:
         # The compiler keeps every compiled grammar, keyed by its source: one schema used by
         # many requests compiles once.
         self._compiler = xgr.GrammarCompiler(tokenizer_info(vocab), max_threads=max_threads)
+
+    @staticmethod
+    def check(c: Constraint) -> None:
+        try:
+            if c.kind == "json":
+                xgr.Grammar.from_json_schema(c.spec, any_whitespace=c.any_whitespace)
+            elif c.kind == "regex":
+                xgr.Grammar.from_regex(c.spec)
+            elif c.kind == "choice":
+                choices(c.spec)
+            elif c.kind == "grammar":
+                xgr.Grammar.from_ebnf(c.spec)
+            elif c.kind == "structural_tag":
+                tag = _structural_tag(c.spec)
+                if isinstance(tag, str):
+                    xgr.Grammar.from_structural_tag(tag)
+                else:
+                    xgr.Grammar.from_structural_tag(*tag)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError/TypeError by kind
+            raise _invalid(c, e) from None
 
     def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
         try:
@@ -80,14 +131,14 @@ class XgrammarBackend:
                 return self._compiler.compile_grammar(f"root ::= {alternatives}")
             if c.kind == "grammar":
                 return self._compiler.compile_grammar(c.spec)
-            return self._compiler.compile_structural_tag(c.spec)
+            tag = _structural_tag(c.spec)
+            if isinstance(tag, str):
+                return self._compiler.compile_structural_tag(tag)
+            return self._compiler.compile_structural_tag(*tag)
         except GrammarError:
             raise
-        except Exception as e:  # xgrammar raises RuntimeError/ValueError/TypeError by kind
-            raise GrammarError(f"Invalid {c.kind} for structured outputs: {_message(e)}") from None
-
-    def validate(self, constraint: Constraint) -> None:
-        self._compile(constraint)
+        except Exception as e:
+            raise _invalid(c, e) from None
 
     def matcher(self, constraint: Constraint) -> XgrammarMatcher:
         return XgrammarMatcher(self._compile(constraint))

@@ -18,11 +18,14 @@ from services.protocol import (
     GenerateRequest,
     RequestError,
     RequestOutputSpec,
+    StructuredOutputsParams,
     TokenizedRequest,
     TokenizeRequest,
     TokenizeResult,
 )
 from services.request_log import RequestLog
+from services.structured_output.backend import check_constraint
+from services.structured_output.manager import constraint_of
 from services.tokenizer.chat_template import ChatTemplateError, render_chat
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: decoding context for the first output token.
@@ -54,8 +57,10 @@ class RequestProcessor:
         limits: RequestLimits | None = None,
         render_timer: bool = False,
         request_log: RequestLog | None = None,
+        structured_outputs_backend: str = "xgrammar",
     ) -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.request_log = request_log  # --enable-log-requests
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()  # the chat template's time and size
@@ -133,6 +138,16 @@ class RequestProcessor:
             )
         return max_tokens
 
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """PromptError saying what is wrong unless the grammar engine takes the constraint
+        (its syntax only: the scheduler compiles it against the vocabulary). The engine is
+        imported on the first constrained request."""
+        try:
+            params.validate()
+            check_constraint(self.structured_outputs_backend, constraint_of(params, False))
+        except ValueError as e:  # GrammarError is one
+            raise PromptError(str(e)) from None
+
     def process(
         self, req: GenerateRequest
     ) -> tuple[TokenizedRequest, RequestOutputSpec] | RequestError:
@@ -153,6 +168,8 @@ class RequestProcessor:
                     f"(vocabulary size: {self._vocab_size})",
                     param,
                 )
+            if req.sampling.structured_outputs is not None:
+                self.check_structured_outputs(req.sampling.structured_outputs)
             if req.kv_transfer_params and self.check_kv_transfer is not None:
                 try:
                     self.check_kv_transfer(req.kv_transfer_params)

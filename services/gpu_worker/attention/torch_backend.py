@@ -8,7 +8,7 @@ queries into [B, max_q, heads, D], and run one ``scaled_dot_product_attention``
 with a causal + length mask. No Python loop over tokens or requests.
 
 On CPU, decode rows instead go to a C++ op that reads the paged cache in place
-(``kernels.cpu``), as vLLM's CPU backend pairs SDPA for prefill with a C++
+(``actorserve_kernels.cpu``), as vLLM's CPU backend pairs SDPA for prefill with a C++
 paged-attention decode kernel: the gather, which copies every request's whole
 context each layer, was most of a decode step. ``ACTORSERVE_CPU_KERNELS=0`` (or no
 C++ compiler) keeps the pure-torch path.
@@ -187,7 +187,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _use_kernel(self, query: torch.Tensor) -> bool:
         if self._kernel is None:
-            from kernels.cpu import load_cpu_ops
+            from actorserve_kernels.cpu import load_cpu_ops
 
             self._kernel = (
                 query.device.type == "cpu" and self.head_dim in _KERNEL_HEAD_DIMS and load_cpu_ops()
@@ -213,7 +213,7 @@ class TorchAttentionBackend(AttentionBackend):
         groups = plan.groups
         out = None if len(groups) == 1 and groups[0].token_idx is None else torch.zeros_like(query)
         if plan.decode is not None:
-            from kernels.cpu import paged_attention_rows
+            from actorserve_kernels.cpu import paged_attention_rows
 
             assert out is not None
             d = plan.decode

@@ -1,9 +1,9 @@
-"""Paged attention with the Triton kernels in ``kernels/``: the default backend on CUDA.
+"""Paged attention with the Triton kernels in ``actorserve_kernels/``: the default backend on CUDA.
 
 One ``reshape_and_cache`` launch writes the step's K/V, then one ``paged_attention`` launch
 (two with split-KV decode) covers the whole varlen batch, prefill chunks and decodes
 together: no per-step planning on the host, so nothing goes into ``backend_state``.
-Without a GPU the kernels run in Triton's interpreter (``kernels/__init__.py``): correct
+Without a GPU the kernels run in Triton's interpreter (``actorserve_kernels/__init__.py``): correct
 but slow, for tests only.
 """
 
@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from kernels import paged_attention, reshape_and_cache
+from actorserve_kernels import paged_attention, reshape_and_cache
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import INT8_ACTIVATION_TYPES, INT8_ACTIVATIONS, QUANT_TYPES
+from actorserve_kernels.cpu import INT8_ACTIVATION_TYPES, INT8_ACTIVATIONS, QUANT_TYPES
 from services.gpu_worker.distributed import ParallelState
 from services.model_loader.gguf_tensors import GGUFBlocks
 
@@ -35,7 +35,7 @@ _USE_ONEDNN = _onednn_linear is not None and torch.backends.mkldnn.is_available(
 
 
 # A linear over one or two tokens (decode at batch 1-2) is a stream over its weight; the
-# C++ op in kernels/cpu reads it at memory bandwidth, where oneDNN's GEMM leaves a share
+# C++ op in actorserve_kernels/cpu reads it at memory bandwidth, where oneDNN's GEMM leaves a share
 # unused (batch 1: 35 -> 29 ms per decode step). From 4 tokens on oneDNN is as fast or
 # faster (bench/RESULTS.md). Resolved on first use.
 _SMALL_M = (1, 2)
@@ -43,12 +43,12 @@ _cpu_ops: Any = None
 
 
 def _cpu_op(name: str) -> Any:
-    """The ``kernels.cpu`` function ``name``, or None when the C++ ops are unavailable."""
+    """The ``actorserve_kernels.cpu`` function ``name``, or None when the C++ ops are unavailable."""
     global _cpu_ops
     if _cpu_ops is None:
-        import kernels.cpu
+        import actorserve_kernels.cpu
 
-        _cpu_ops = kernels.cpu if kernels.cpu.load_cpu_ops() else False
+        _cpu_ops = actorserve_kernels.cpu if actorserve_kernels.cpu.load_cpu_ops() else False
     return getattr(_cpu_ops, name) if _cpu_ops else None
 
 
@@ -81,7 +81,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 @dataclass(frozen=True)
 class QuantWeight:
     """A matrix [n, k] kept quantized: GGUF blocks of ``ggml_type`` packed by
-    ``kernels.cpu.quant_pack`` (1/4 to 1/7 of the fp32 bytes)."""
+    ``actorserve_kernels.cpu.quant_pack`` (1/4 to 1/7 of the fp32 bytes)."""
 
     packed: torch.Tensor
     ggml_type: int

@@ -209,7 +209,7 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    # A decode step's layers in one C++ call (kernels/cpu/decode_layers.cpp) when the model
+    # A decode step's layers in one C++ call (actorserve_kernels/cpu/decode_layers.cpp) when the model
     # and the batch allow it; ``fused_decode = False`` keeps the Python layers (tests).
     fused_decode = True
     _fused: _FusedWeights | None | bool = False  # False: not decided yet
@@ -561,7 +561,7 @@ def fused_decode_layers(
     fused: _FusedWeights,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a decode-only step through ``decode_layers``: (hidden, residual)."""
-    from kernels.cpu import decode_layers
+    from actorserve_kernels.cpu import decode_layers
 
     return decode_layers(
         hidden.contiguous(), fused.weights, fused.types, fused.dims,

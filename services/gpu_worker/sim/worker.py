@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from services.config import EngineConfig
 from services.flags import ConfigError
 from services.gpu_worker.base import WorkerBackend
@@ -136,6 +138,26 @@ class _SimRequest:
         while t in self.avoid:
             t = low + (t - low + 1) % (high - low)
         return t
+
+
+def _grammar_rows(plan: StepPlan) -> dict[str, np.ndarray]:
+    """Each constrained request's bitmask row of the plan (structured outputs)."""
+    if not plan.grammar_req_ids:
+        return {}
+    rows = np.frombuffer(plan.grammar_bitmask, dtype=np.int32)
+    rows = rows.reshape(len(plan.grammar_req_ids), -1)
+    return dict(zip(plan.grammar_req_ids, rows, strict=True))
+
+
+def _allowed_token(row: np.ndarray, token: int) -> int:
+    """``token`` if the grammar allows it, else an allowed one that depends on it (as a real
+    sampler under the mask would pick another)."""
+    if token < 32 * len(row) and (int(row[token >> 5]) >> (token & 31)) & 1:
+        return token
+    allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+    if len(allowed) == 0:
+        return token
+    return int(allowed[_mix(token) % len(allowed)])
 
 
 class SimWorker(WorkerBackend):
@@ -248,6 +270,7 @@ class SimWorker(WorkerBackend):
         entries = [(r.req_id, r.num_computed_tokens, r) for r in plan.new_requests] + [
             (r.req_id, r.num_computed_tokens, None) for r in plan.running
         ]
+        grammar = _grammar_rows(plan)
         for (req_id, computed, new), n in zip(entries, plan.num_scheduled_tokens, strict=True):
             sim = self._add(new) if new is not None else self.requests[req_id]
             samples = computed + n >= sim.num_tokens
@@ -255,6 +278,8 @@ class SimWorker(WorkerBackend):
             if not samples:
                 continue
             token = sim.token(sim.num_tokens - sim.num_prompt_tokens, self.low, self.high)
+            if (row := grammar.get(req_id)) is not None:
+                token = _allowed_token(row, token)
             sim.num_tokens += 1
             result.req_ids.append(req_id)
             result.sampled_token_ids.append(token)

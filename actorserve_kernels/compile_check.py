@@ -1,6 +1,6 @@
 """Compile every kernel variant the wrappers launch for a CUDA target, without a GPU.
 
-    TRITON_INTERPRET=0 python -m kernels.compile_check [--arch 80 90]
+    TRITON_INTERPRET=0 python -m actorserve_kernels.compile_check [--arch 80 90]
 
 The interpreter (how the CPU tests run the kernels) accepts code that the compiler
 rejects (a variable changing dtype across an ``if``, a ``tl.dot`` under 16 wide), so this
@@ -25,8 +25,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-import kernels.attention as attention
-import kernels.kv_cache as kv_cache
+import actorserve_kernels.attention as attention
+import actorserve_kernels.kv_cache as kv_cache
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64"}  # fmt: skip

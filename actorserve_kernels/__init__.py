@@ -7,7 +7,7 @@ function, i.e. when the kernel modules are imported, so the choice is made here,
 they are: whoever imports ``kernels`` first, in whatever order, gets kernels that can run
 in this process. Set ``TRITON_INTERPRET=1`` yourself to interpret on a GPU host.
 
-The Triton names are exported lazily, so the CPU path (``kernels.cpu``) never imports
+The Triton names are exported lazily, so the CPU path (``actorserve_kernels.cpu``) never imports
 triton.
 """
 
@@ -24,11 +24,11 @@ __all__ = ["num_kv_splits", "paged_attention", "reshape_and_cache"]
 
 def __getattr__(name: str) -> Any:
     if name in ("num_kv_splits", "paged_attention"):
-        from kernels import attention
+        from actorserve_kernels import attention
 
         return getattr(attention, name)
     if name == "reshape_and_cache":
-        from kernels.kv_cache import reshape_and_cache
+        from actorserve_kernels.kv_cache import reshape_and_cache
 
         return reshape_and_cache
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    raise AttributeError(f"module 'actorserve_kernels' has no attribute {name!r}")

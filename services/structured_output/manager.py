@@ -1,0 +1,189 @@
+"""The scheduler's side of structured outputs (vLLM's StructuredOutputManager).
+
+Each constrained request gets a matcher for its grammar. Grammars compile on a worker
+thread, off the engine's busy loop; a request waits (``WAITING_FOR_GRAMMAR``) until its
+matcher is ready, and ``wake`` tells the loop. Before a step goes out, the manager fills a
+bitmask row (the tokens allowed next) for every constrained request that samples in it; the
+workers apply the rows to the logits. The sampled tokens come back and advance the
+matchers. The backend is loaded on the first constrained request (so a server that never
+sees one never imports the grammar engine).
+
+Offline (``LLM``) the grammar compiles at once, on the caller's thread: ``synchronous``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.protocol import StructuredOutputsParams
+from services.structured_output.backend import (
+    Constraint,
+    GrammarBackend,
+    GrammarError,
+    Matcher,
+    VocabInfo,
+    allocate_bitmask,
+    load_backend,
+)
+
+if TYPE_CHECKING:
+    from services.model_loader import TokenizerInfo
+    from services.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def vocab_info(tokenizer: TokenizerInfo, model_vocab_size: int) -> VocabInfo:
+    """The grammar engine's view of a model: its tokenizer, the logits' width (a model may
+    pad its vocabulary past the tokenizer's; a simulated one may differ) and EOS."""
+    tok = tokenizer.tokenizer
+    width = max(model_vocab_size, tok.get_vocab_size(with_added_tokens=True))
+    eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    return VocabInfo(tok, width, eos)
+
+
+def vocab_from_folder(folder: str) -> Callable[[], VocabInfo]:
+    """``vocab_info`` of an HF-style model folder, loaded when first called."""
+
+    def load() -> VocabInfo:
+        from services.model_arch import ModelArchConfig
+        from services.model_loader import load_hf_config, load_tokenizer
+
+        arch = ModelArchConfig.from_hf_config(load_hf_config(Path(folder)))
+        return vocab_info(load_tokenizer(Path(folder)), arch.vocab_size)
+
+    return load
+
+
+def constraint_of(params: StructuredOutputsParams, disable_any_whitespace: bool) -> Constraint:
+    """The one constraint of valid ``params`` (``SamplingParams.validate`` checked them)."""
+    kind = params.kinds()[0]
+    value = getattr(params, kind)
+    spec = json.dumps(value) if kind == "choice" else "" if kind == "json_object" else value
+    whitespace = not (params.disable_any_whitespace or disable_any_whitespace)
+    return Constraint(kind, spec, any_whitespace=whitespace)
+
+
+class StructuredOutputManager:
+    """Matchers for the constrained requests of one scheduler.
+
+    ``vocab`` is called once, on the compile thread, when the first constrained request
+    arrives: what the grammar engine needs of the tokenizer, and the model's vocabulary
+    size (the logits' width, which the bitmask rows cover).
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        vocab: Callable[[], VocabInfo],
+        *,
+        disable_any_whitespace: bool = False,
+        wake: Callable[[], None] | None = None,
+        synchronous: bool = False,
+    ) -> None:
+        self.backend_name = backend
+        self.disable_any_whitespace = disable_any_whitespace
+        self._vocab = vocab
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._wake = wake
+        self._pool = (
+            None if synchronous else ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        )
+        self._compiling: dict[str, tuple[Request, Future[Matcher]]] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._get_backend().vocab_size
+
+    def _get_backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                logger.info("structured outputs: loading the %s backend", self.backend_name)
+                self._backend = load_backend(self.backend_name, self._vocab())
+            return self._backend
+
+    def _compile(self, constraint: Constraint) -> Matcher:
+        return self._get_backend().matcher(constraint)
+
+    # ---- requests in and out
+
+    def add(self, request: Request) -> bool:
+        """Start compiling ``request``'s grammar. True when its matcher is already set
+        (synchronous); ``GrammarError`` then if the grammar is bad."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        constraint = constraint_of(params, self.disable_any_whitespace)
+        if self._pool is None:
+            request.grammar = self._compile(constraint)
+            return True
+        future = self._pool.submit(self._compile, constraint)
+        self._compiling[request.req_id] = (request, future)
+        if self._wake is not None:
+            wake = self._wake
+            future.add_done_callback(lambda _: wake())
+        return False
+
+    def discard(self, req_id: str) -> None:
+        """Forget a request that finished while compiling (its result is dropped)."""
+        entry = self._compiling.pop(req_id, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    def num_compiling(self) -> int:
+        """Requests whose grammar is still compiling (not those ready to be taken)."""
+        return sum(not future.done() for _, future in self._compiling.values())
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._compiling
+
+    def take_compiled(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose grammar is ready (matcher set), and those whose grammar failed,
+        with the error, in arrival order; both leave the manager's care."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for req_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[req_id]
+            error = future.exception()
+            if error is None:
+                request.grammar = future.result()
+                ready.append(request)
+            elif isinstance(error, GrammarError):
+                failed.append((request, str(error)))
+            else:  # the engine itself (or loading it) failed: the request fails, not the server
+                logger.error("structured outputs: compiling for %s failed: %r", req_id, error)
+                failed.append((request, f"structured outputs failed: {error}"))
+        return ready, failed
+
+    # ---- one step
+
+    def bitmask(self, requests: Iterable[Request]) -> tuple[list[str], bytes]:
+        """For constrained ``requests`` that sample in the step: their ids and one bitmask
+        row each, the tokens their grammar allows next."""
+        rows = [r for r in requests if r.grammar is not None]
+        if not rows:
+            return [], b""
+        mask = allocate_bitmask(len(rows), self.vocab_size)
+        for i, request in enumerate(rows):
+            assert request.grammar is not None
+            request.grammar.fill(mask, i)
+        return [r.req_id for r in rows], mask.tobytes()
+
+    @staticmethod
+    def accept(request: Request, token_id: int) -> bool:
+        """Advance ``request``'s matcher by its sampled token; False if the grammar forbids
+        it (the mask and the matcher disagree: a bug, the request ends in an error)."""
+        assert request.grammar is not None
+        return request.grammar.accept(token_id)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

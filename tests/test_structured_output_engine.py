@@ -1,0 +1,226 @@
+"""Structured outputs on the default model, offline and through the server (issue 17).
+
+Outputs are checked independently of the grammar engine: ``jsonschema`` for schemas,
+``re`` for patterns, membership for choices; through the server with the official
+``openai`` client.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.protocol import StructuredOutputsParams as SO
+from tests.server_utils import RemoteServer
+from tests.test_structured_output import SCHEMAS
+
+MODEL = "SmolLM2-135M-Instruct"
+MORE_SCHEMAS = [
+    {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "population": {"type": "integer", "minimum": 1000, "maximum": 99999999},
+        "coords": {"type": "array", "items": {"type": "number", "minimum": -180, "maximum": 180},
+                   "minItems": 2, "maxItems": 2},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+     "required": ["city", "population", "coords", "code"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "step": {"type": "integer", "minimum": 1, "maximum": 9},
+        "done": {"type": "boolean"}}, "required": ["step", "done"],
+        "additionalProperties": False}, "minItems": 1, "maxItems": 3},
+]  # fmt: skip
+ALL_SCHEMAS = SCHEMAS + MORE_SCHEMAS
+
+
+def chat(llm: LLM, text: str) -> str:
+    return llm.apply_chat_template([{"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=1024, num_gpu_blocks_override=256)
+
+
+def greedy(max_tokens: int = 80, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+
+
+def test_schemas_validate_and_free_requests_in_the_batch_are_unchanged(llm: LLM) -> None:
+    free_prompt = chat(llm, "Name three colors.")
+    (alone,) = llm.generate([free_prompt], greedy(24))
+    prompts = [chat(llm, "Describe something as JSON.")] * len(ALL_SCHEMAS) + [free_prompt]
+    params = [greedy(120, structured_outputs=SO(json=json.dumps(s))) for s in ALL_SCHEMAS]
+    outs = llm.generate(prompts, [*params, greedy(24)])
+    for schema, out in zip(ALL_SCHEMAS, outs, strict=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text  # the grammar ended it
+        jsonschema.validate(json.loads(completion.text), schema)
+    assert outs[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_choice_regex_and_json_object(llm: LLM) -> None:
+    outs = llm.generate(
+        [chat(llm, "Is the sky blue?"), chat(llm, "When is the meeting?"), chat(llm, "A user.")],
+        [
+            greedy(structured_outputs=SO(choice=["yes", "no", "it depends"])),
+            greedy(structured_outputs=SO(regex=r"[0-2][0-9]:[0-5][0-9] (am|pm)")),
+            greedy(120, structured_outputs=SO(json_object=True, disable_any_whitespace=True)),
+        ],
+    )
+    assert outs[0].outputs[0].text in ("yes", "no", "it depends")
+    assert re.fullmatch(r"[0-2][0-9]:[0-5][0-9] (am|pm)", outs[1].outputs[0].text)
+    compact = outs[2].outputs[0].text
+    # no free whitespace: the one layout of Python's json.dumps (", " and ": ")
+    assert isinstance(json.loads(compact), dict) and compact == json.dumps(json.loads(compact))
+
+
+def test_greedy_under_a_constraint_that_admits_the_free_answer_is_the_free_answer(llm) -> None:
+    prompt = chat(llm, "What is the capital of France? Answer in one word.")
+    (free,) = llm.generate([prompt], greedy(16))
+    answer = free.outputs[0]
+    assert answer.finish_reason == "stop"  # it ends by itself, so a choice of it can too
+    constraints = [
+        SO(choice=[answer.text, "Something else entirely"]),
+        SO(regex=r"[\s\S]{0,400}"),
+        SO(grammar="root ::= [^\\x00]*"),
+    ]
+    outs = llm.generate(
+        [prompt] * len(constraints), [greedy(16, structured_outputs=c) for c in constraints]
+    )
+    for out in outs:
+        assert out.outputs[0].token_ids == answer.token_ids
+
+
+def test_n_sampled_choices_each_follow_the_schema(llm: LLM) -> None:
+    schema = SCHEMAS[0]
+    (out,) = llm.generate(
+        [chat(llm, "A person as JSON.")],
+        SamplingParams(
+            n=3,
+            temperature=1.0,
+            seed=7,
+            max_tokens=120,
+            structured_outputs=SO(json=json.dumps(schema)),
+        ),  # fmt: skip
+    )
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_min_tokens_cannot_make_the_grammar_sample_nothing(llm: LLM) -> None:
+    """min_tokens forbids EOS where the grammar wants only EOS: the grammar wins."""
+    (out,) = llm.generate(
+        [chat(llm, "Is water wet?")],
+        greedy(structured_outputs=SO(choice=["yes", "no"]), min_tokens=8),
+    )
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+
+
+def test_a_bad_constraint_is_refused_offline(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="only use one kind"):
+        llm.generate(["x"], greedy(structured_outputs=SO(regex="a", choice=["a"])))
+    with pytest.raises(ValueError, match="Invalid json"):
+        llm.generate(["x"], greedy(structured_outputs=SO(json='{"type": "nonsense"}')))
+
+
+def test_preemption_prefix_cache_and_async_scheduling_keep_the_outputs(llm: LLM) -> None:
+    prompts = [chat(llm, f"Describe item {i} as JSON.") for i in range(4)]
+    params = [greedy(100, structured_outputs=SO(json=json.dumps(s))) for s in ALL_SCHEMAS[:4]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    again = llm.generate(prompts, params)  # the prompts are cached now
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert all(o.num_cached_tokens > 0 for o in again)
+    small = LLM(max_model_len=192, num_gpu_blocks_override=16, async_scheduling=True)
+    outs = small.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert small.scheduler.num_preemptions > 0
+
+
+def test_simulated_worker_samples_within_the_grammar() -> None:
+    sim = LLM(worker_backend="sim", max_model_len=512)
+    pattern = r"(red|green|blue)-[0-9]{2,4}"
+    outs = sim.generate(
+        ["a", "b", "c"],
+        [
+            SamplingParams(max_tokens=40, structured_outputs=SO(regex=pattern)),
+            SamplingParams(max_tokens=40, structured_outputs=SO(choice=["x", "yy"])),
+            SamplingParams(max_tokens=5),
+        ],  # fmt: skip
+    )
+    assert re.fullmatch(pattern, outs[0].outputs[0].text)
+    assert outs[1].outputs[0].text in ("x", "yy")
+
+
+# ---------------------------------------------------------------- through the server
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    with RemoteServer("--max-model-len", "1024") as server:
+        server.wait_ready()
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_served_json_schema_streamed_and_not_agree(client: openai.OpenAI) -> None:
+    schema = MORE_SCHEMAS[0]
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A city as JSON."}],
+        temperature=0,
+        max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    full = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    text = full.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert full.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(stream=True, **kwargs)  # type: ignore[call-overload]
+        if chunk.choices
+    )
+    assert streamed == text
+
+
+def test_served_constraints_and_errors(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    r = client.completions.create(
+        model=MODEL, prompt="Is the sky blue? Answer:", temperature=0.7, n=3, max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )  # fmt: skip
+    assert len(r.choices) == 3 and all(c.text in ("yes", "no") for c in r.choices)
+    bad_bodies = {
+        "structured_outputs": [
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            {"structured_outputs": {"choice": []}},
+            {"structured_outputs": {}},
+        ],
+        "response_format": [
+            {"response_format": {"type": "json_schema"}},
+            {"response_format": {"type": "yaml"}},
+        ],
+        None: [
+            {"structured_outputs": {"regex": "(unclosed"}},
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        ],
+    }  # fmt: skip
+    for param, bodies in bad_bodies.items():
+        for body in bodies:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=4, extra_body=body
+                )
+            assert e.value.body["param"] == param, (body, e.value.body)  # type: ignore[index]
+    # ... and the server keeps serving, constrained and free
+    ok = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=8,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert ok.choices[0].finish_reason in ("stop", "length")
