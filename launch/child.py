@@ -77,6 +77,8 @@ def _run_api_server(config: ServeConfig, control: str) -> None:
         max_num_queued_reqs=config.max_num_queued_reqs,
         limits=config.limits,
         enable_request_id_headers=config.enable_request_id_headers,
+        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         kv_events=kv_events_info(config),
     )
     app = build_app(frontend, settings)

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from services.api_server.tool_calls import TOOL_CALL_PARSERS
 from services.config import ConfigError, EngineConfig, RequestLimits, add_engine_args
 from services.flags import add_flags, parse_size
 
@@ -133,6 +134,30 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--enable-request-id-headers",
         action="store_true",
         help="add an X-Request-Id header to every response (the request's own, or a new one)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template to use instead of the model's: a file, or the template itself "
+        "(vLLM's flag); deploy/chat_templates/ has a ChatML one with Hermes-style tool calls",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides to call tools, --tool-call-parser finds '
+        "the calls in its output",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=None,
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, Qwen "
+        "and many fine-tunes) or llama3_json (JSON objects, Llama 3.x)",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='with tool_choice "none", do not show the tools to the chat template',
     )
     p.add_argument(
         "--enable-log-requests",

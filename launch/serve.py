@@ -27,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
@@ -487,6 +488,19 @@ def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: 
         endpoints.kv_events_replay = "auto" if endpoint == "auto" else None
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is no file but looks
+    like a template (vLLM's rule)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if not any(mark in value for mark in ("{{", "{%")):
+        raise ConfigError(f"--chat-template: {value!r} is neither a file nor a template")
+    return value
+
+
 def run_server(args: object) -> int:
     engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
     flags = vars(args)
@@ -522,6 +536,10 @@ def run_server(args: object) -> int:
         max_num_queued_reqs=a.get("max_num_queued_reqs"),
         limits=RequestLimits.from_cli(args),  # type: ignore[arg-type]
         enable_request_id_headers=bool(a.get("enable_request_id_headers")),
+        chat_template=load_chat_template(a.get("chat_template")),
+        enable_auto_tool_choice=bool(a.get("enable_auto_tool_choice")),
+        tool_call_parser=a.get("tool_call_parser"),
+        exclude_tools_when_tool_choice_none=bool(a.get("exclude_tools_when_tool_choice_none")),
         enable_log_requests=bool(a.get("enable_log_requests")),
         enable_log_outputs=bool(a.get("enable_log_outputs")),
         max_log_len=a.get("max_log_len"),
@@ -537,6 +555,8 @@ def run_server(args: object) -> int:
         endpoints.kv_events_topic = f"kv@{config.host}:{config.port}@{config.served_model_names[0]}"
     if config.tokenizer_workers < 1:
         raise ConfigError("--tokenizer-workers must be at least 1")
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
     if config.log_stats_interval <= 0:
         raise ConfigError("--log-stats-interval must be positive")
     if config.enable_log_outputs and not config.enable_log_requests:

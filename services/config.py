@@ -564,6 +564,11 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     enable_request_id_headers: bool = False
+    chat_template: str | None = None  # --chat-template, the text (read from its file)
+    # tool calling: tool_choice "auto" and the parser that finds the calls in the output
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     # --restart-on-failure: a dead engine process restarts the engine group, the port stays
     restart_on_failure: bool = False
     retry_waiting_on_restart: bool = False  # requests with no output yet go to the new engine

@@ -71,9 +71,49 @@ BAD = [
     ("/v1/chat/completions", _chat(logit_bias={str(10**22): 5}), 400, "logit_bias"),
     ("/v1/chat/completions", _chat(allowed_token_ids=[10**22]), 400, "allowed_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**22]}, 400, "prompt"),
-    ("/v1/chat/completions", _chat(tools=[_TOOL]), 400, "tool_choice"),
-    ("/v1/chat/completions", _chat(tools=[_TOOL], tool_choice="required"), 400, "tool_choice"),
+    ("/v1/chat/completions", _chat(tools=[_TOOL]), 400, "tool_choice"),  # auto: no parser here
     ("/v1/chat/completions", _chat(tool_choice="auto"), 400, "tool_choice"),
+    ("/v1/chat/completions", _chat(tool_choice="required"), 400, "tool_choice"),
+    ("/v1/chat/completions", _chat(tools=[]), 400, "tools"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("/v1/chat/completions", _chat(tools=[_TOOL], tool_choice="sometimes"), 400, "tool_choice"),
+    (
+        "/v1/chat/completions",
+        _chat(tools=[_TOOL], tool_choice={"function": "f"}),
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(tools=[_TOOL], tool_choice={"function": {}}),
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(tools=[_TOOL], tool_choice="required", structured_outputs={"regex": "a"}),
+        400,
+        "structured_outputs",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(
+            messages=[
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}],
+                }
+            ]
+        ),
+        400,
+        "messages",
+    ),
     (
         "/v1/chat/completions",
         _chat(response_format={"type": "yaml"}),

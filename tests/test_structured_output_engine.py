@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -162,7 +163,9 @@ def test_simulated_worker_samples_within_the_grammar() -> None:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
-    with RemoteServer("--max-model-len", "1024") as server:
+    with RemoteServer(
+        "--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
+    ) as server:
         server.wait_ready()
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -224,3 +227,123 @@ def test_served_constraints_and_errors(client: openai.OpenAI) -> None:
         response_format={"type": "json_object"},
     )  # fmt: skip
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+# ---------------------------------------------------------------- tool calls, served
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}  # fmt: skip
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+       "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+
+
+def streamed_calls(client: openai.OpenAI, **kwargs) -> tuple[list[dict], str | None, str]:
+    """The tool calls of a streamed answer, put together from the deltas as a client does."""
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = d.id or call["id"]
+            if d.function is not None:
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish, content
+
+
+def whole_calls(message) -> list[dict]:
+    return [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in message.tool_calls or []]  # fmt: skip
+
+
+def same_calls(a: list[dict], b: list[dict]) -> bool:
+    """Equal but for the ids (each response makes its own)."""
+    return [(c["name"], c["arguments"]) for c in a] == [(c["name"], c["arguments"]) for c in b]
+
+
+def test_named_tool_call_follows_its_schema_streamed_or_not(client: openai.OpenAI) -> None:
+    kwargs = dict(messages=ASK, tools=TOOLS, temperature=0, max_tokens=80,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})  # fmt: skip
+    r = client.chat.completions.create(model=MODEL, **kwargs)  # type: ignore[call-overload]
+    choice = r.choices[0]
+    (call,) = whole_calls(choice.message)
+    assert call["name"] == "get_weather" and call["id"].startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+    assert choice.message.content == "" and choice.finish_reason == "stop"  # vLLM's for named
+    calls, finish, content = streamed_calls(client, **kwargs)
+    assert same_calls(calls, [call]) and finish == "stop" and content == ""
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_tool_calls_streamed_and_not_agree(client: openai.OpenAI, parallel) -> None:
+    """One call without parallel calls; with them, as many as the model writes (this small
+    model may go on until max_tokens cuts the last one: then finish_reason says "length")."""
+    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+                  max_tokens=120, parallel_tool_calls=parallel)  # fmt: skip
+    r = client.chat.completions.create(model=MODEL, **kwargs)  # type: ignore[call-overload]
+    choice = r.choices[0]
+    calls = whole_calls(choice.message)
+    complete = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+    assert choice.finish_reason == "tool_calls" or (parallel and choice.finish_reason == "length")
+    assert complete and (parallel or len(calls) == 1)
+    for call in complete:
+        schema = {"get_weather": WEATHER, "add": ADD}[call["name"]]
+        jsonschema.validate(json.loads(call["arguments"]), schema)
+    streamed, finish, _ = streamed_calls(client, **kwargs)
+    assert same_calls(streamed, calls) and finish == choice.finish_reason
+
+
+def test_auto_parses_what_the_model_wrote(client: openai.OpenAI) -> None:
+    """``auto`` with the hermes parser: a plain answer stays content; a call written in
+    hermes' tags (made certain here by a pattern on the output) becomes ``tool_calls``."""
+    plain = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=12
+    )
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    pattern = (
+        r'I will add them\. <tool_call>\{"name": "add", "arguments": '
+        r'\{"a": [0-9]{1,2}, "b": [0-9]{1,2}\}\}</tool_call>'
+    )
+    kwargs = dict(messages=[{"role": "user", "content": "What is 12 + 30?"}], tools=TOOLS,
+                  temperature=0, max_tokens=200, extra_body={"structured_outputs": {"regex": pattern}})  # fmt: skip
+    r = client.chat.completions.create(model=MODEL, **kwargs)  # type: ignore[call-overload]
+    choice = r.choices[0]
+    (call,) = whole_calls(choice.message)
+    assert call["name"] == "add" and set(json.loads(call["arguments"])) == {"a", "b"}
+    assert choice.message.content == "I will add them. " and choice.finish_reason == "tool_calls"
+    streamed, finish, content = streamed_calls(client, **kwargs)
+    assert same_calls(streamed, [call]) and finish == "tool_calls"
+    assert content == "I will add them. "
+
+
+def test_a_tool_result_goes_back_through_the_template(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    call = r.choices[0].message.tool_calls[0]
+    conversation = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=TOOLS, tool_choice="none", temperature=0,
+        max_tokens=16,
+    )  # fmt: skip
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    base = str(client.base_url).removesuffix("/v1/")
+    tokens = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": conversation}).json()
+    prompt = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]})
+    assert "<|im_start|>tool\nSunny, 24 degrees<|im_end|>" in prompt.json()["prompt"]

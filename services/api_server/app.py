@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -44,6 +45,7 @@ from services.api_server.protocol import (
     TokenizeCompletionRequest,
     check_template_trust,
 )
+from services.api_server.tool_calls import ToolCalling
 from services.config import RequestLimits
 from services.metrics.process_metrics import api_requests, engine_restarts
 from services.metrics.registry import render_latest
@@ -63,6 +65,9 @@ class ServerSettings:
     max_num_queued_reqs: int | None = None  # None: no limit; over it new requests get 429
     limits: RequestLimits = field(default_factory=RequestLimits)
     enable_request_id_headers: bool = False
+    # --tool-call-parser when --enable-auto-tool-choice is on (tool_choice "auto"), else None
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     created: int = field(default_factory=lambda: int(clock.wall()))
     # ``GET /kv_events``: the engine cores' KV event sockets, and what their hashes depend on
     kv_events: dict[str, Any] | None = None
@@ -245,12 +250,21 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_body(request))
         model = check_model(req.model)
-        req.check(settings.limits)
+        req.check(settings.limits, settings.tool_call_parser)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         sampling = req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs)
         validate_sampling(sampling, settings.limits.max_logprobs)
+        tools = None
+        if req.tool_choice != "none":
+            tools = ToolCalling(
+                req.forced_tool, settings.tool_call_parser, req.parallel_tool_calls is not False
+            )
+            if (
+                tools.forced is None and tools.parser == "hermes"
+            ):  # vLLM's: its tags stay in the text
+                sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         check_admission()
         response_id, base_id = response_ids(request, "chatcmpl", req.request_id)
         ctx = serving.ResponseContext(
@@ -266,7 +280,9 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 sub,
                 messages=messages,
                 chat_template=req.template(),
-                chat_template_kwargs=req.template_kwargs(),
+                chat_template_kwargs=req.template_kwargs(
+                    settings.exclude_tools_when_tool_choice_none
+                ),
                 add_generation_prompt=req.add_generation_prompt,
                 add_special_tokens=req.add_special_tokens,
                 arrival_time=now,
@@ -287,8 +303,10 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 max_waiting=settings.max_num_queued_reqs,
                 on_sent=requests_sent.inc,
             ),
-            lambda d: serving.chat_stream(ctx, d, want_logprobs=want_lp, include_usage=usage),
-            lambda d: serving.chat_full(ctx, d, want_logprobs=want_lp),
+            lambda d: serving.chat_stream(
+                ctx, d, want_logprobs=want_lp, include_usage=usage, tools=tools
+            ),
+            lambda d: serving.chat_full(ctx, d, want_logprobs=want_lp, tools=tools),
         )
 
     @app.post("/tokenize")
@@ -304,7 +322,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
                 messages=[m.to_template() for m in chat.messages],
                 add_special_tokens=chat.add_special_tokens,
                 add_generation_prompt=chat.add_generation_prompt,
-                chat_template_kwargs=chat.chat_template_kwargs or {},
+                chat_template_kwargs=chat.template_kwargs(),
                 return_token_strs=chat.return_token_strs,
             )
         else:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.api_server.tool_calls import named_schema, required_schema
 from services.config import RequestLimits
 from services.protocol import SamplingParams, StructuredOutputsParams
 
@@ -277,14 +278,29 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | None = None
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message the client sends back (OpenAI's shape)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
     def to_template(self) -> dict[str, object]:
-        """The message as a chat template sees it: text parts joined with newlines (vLLM's 'string' format)."""
+        """The message as a chat template sees it (vLLM's): text parts joined with newlines,
+        no content as "", and each tool call's ``arguments`` parsed from JSON into a dict."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
@@ -293,7 +309,45 @@ class ChatMessage(OpenAIBaseModel):
             msg["name"] = self.name
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
         return msg
+
+
+def _arguments(text: str | None) -> Any:
+    if not text:
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ParamError(
+            "messages", f"tool call arguments must be a JSON object, got {text[:100]!r}"
+        ) from None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+_NAMED_USAGE = ' Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -306,10 +360,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # the template already adds BOS
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
-    def check(self, limits: RequestLimits) -> None:
+    def check(self, limits: RequestLimits, tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: the server's ``--tool-call-parser`` when
+        ``--enable-auto-tool-choice`` is on, else None."""
         super().check(limits)
         check_template_trust(self.chat_template, self.chat_template_kwargs, limits)
         if not self.messages:
@@ -318,19 +375,88 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParamError(
                 "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
             )
-        # No tool-call parser and no structured-output backend: say so rather than ignore them.
-        if self.tool_choice not in (None, "none") and not self.tools:
+        self._check_tools(tool_call_parser)
+
+    def _check_tools(self, parser: str | None) -> None:
+        """vLLM's rules for ``tools`` and ``tool_choice``, in its order and words."""
+        if self.tools is not None and not self.tools:
+            raise ParamError(
+                "tools",
+                "`tools` must not be an empty array. Either provide at least one tool or omit "
+                "the field entirely.",
+            )
+        choice = self.tool_choice
+        if choice is None:
+            choice = self.tool_choice = "auto" if self.tools else "none"
+        if choice == "none":
+            return
+        if not self.tools:
             raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
-        choice = self.tool_choice if self.tool_choice is not None else "auto"
-        if self.tools and choice == "auto":
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if not isinstance(function, dict):
+                raise ParamError(
+                    "tool_choice",
+                    f"Invalid value for `function`: `{function}` in `tool_choice`!" + _NAMED_USAGE,
+                )
+            if "name" not in function:
+                raise ParamError(
+                    "tool_choice",
+                    "Expected field `name` in `function` in `tool_choice`!" + _NAMED_USAGE,
+                )
+            name = function["name"]
+            if not isinstance(name, str) or not name:
+                raise ParamError(
+                    "tool_choice",
+                    f"Invalid `name` in `function`: `{name}` in `tool_choice`!" + _NAMED_USAGE,
+                )
+            if name not in [t.function.name for t in self.tools]:
+                raise ParamError(
+                    "tool_choice",
+                    "The tool specified in `tool_choice` does not match any of the specified "
+                    "`tools`",
+                )
+        elif choice not in ("auto", "required"):
+            raise ParamError(
+                "tool_choice",
+                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", '
+                '"auto" or "required" are supported.',
+            )
+        if choice == "auto" and parser is None:
             raise ParamError(
                 "tool_choice",
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                'to be set; this server has no tool-call parser (use tool_choice "none" to '
-                "only show the tools to the model)",
+                "to be set",
             )
-        if self.tools and choice != "none":
-            raise ParamError("tool_choice", f"tool_choice {choice!r} is not supported.")
+        if choice != "auto" and self.structured_outputs is not None:
+            raise ParamError(
+                "structured_outputs",
+                "You can only either use constraints for structured outputs or tools, not both.",
+            )
+
+    @property
+    def forced_tool(self) -> str | None:
+        """``"required"``, or the named function's name; None when the model chooses (checked
+        requests only)."""
+        if isinstance(self.tool_choice, dict):
+            return str(self.tool_choice["function"]["name"])
+        return "required" if self.tool_choice == "required" and self.tools else None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A forced tool call is a JSON schema on the output (``response_format`` is then
+        dropped, as vLLM drops it)."""
+        forced = self.forced_tool
+        if forced is None:
+            return super().structured_outputs_params()
+        tools = self.tool_dicts()
+        if forced == "required":
+            schema = required_schema(tools, parallel=self.parallel_tool_calls is not False)
+        else:
+            schema = named_schema(tools, forced)
+        return StructuredOutputsParams(json=json.dumps(schema))
 
     def template(self) -> str | None:
         """The request's own chat template (vLLM also takes one in ``chat_template_kwargs``);
@@ -338,12 +464,13 @@ class ChatCompletionRequest(_SamplingFields):
         given = (self.chat_template_kwargs or {}).get("chat_template")
         return self.chat_template or (given if isinstance(given, str) else None)
 
-    def template_kwargs(self) -> dict[str, Any]:
-        """Extra chat-template variables: the request's own, and ``tools`` when given."""
+    def template_kwargs(self, exclude_tools_when_none: bool = False) -> dict[str, Any]:
+        """Extra chat-template variables: the request's own, and ``tools`` when given (not
+        with ``tool_choice: "none"`` under ``--exclude-tools-when-tool-choice-none``)."""
         kwargs = dict(self.chat_template_kwargs or {})
         kwargs.pop("chat_template", None)
-        if self.tools:
-            kwargs["tools"] = self.tools
+        if self.tools and not (exclude_tools_when_none and self.tool_choice == "none"):
+            kwargs["tools"] = self.tool_dicts()
         return kwargs
 
     @property
@@ -365,6 +492,13 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None  # shown to the chat template, as in a chat request
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        return kwargs
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from services.api_server.frontend import EngineRequestError
+from services.api_server.tool_calls import CallStart, Content, Event, ToolCalling
 from services.protocol import DecodedLogprob, DecodedPromptLogprobs, TextDelta
 
 _json = msgspec.json.Encoder()
@@ -291,10 +292,36 @@ def chat_logprobs(lps: list[DecodedLogprob]) -> dict[str, Any]:
     }
 
 
+def _tool_call_deltas(events: list[Event], tools: ToolCalling) -> tuple[str, list[dict[str, Any]]]:
+    """A chunk's content and its ``delta.tool_calls`` entries (OpenAI's shape: a call's
+    first entry has its id, type and name; later ones add to its arguments)."""
+    content: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, Content):
+            content.append(e.text)
+        elif not tools.parallel and e.index > 0:
+            continue
+        elif isinstance(e, CallStart):
+            calls.append({"index": e.index, "id": e.id, "type": "function",
+                          "function": {"name": e.name, "arguments": ""}})  # fmt: skip
+        elif calls and calls[-1]["index"] == e.index:
+            calls[-1]["function"]["arguments"] += e.text
+        else:
+            calls.append({"index": e.index, "function": {"arguments": e.text}})
+    return "".join(content), calls
+
+
 async def chat_stream(
-    ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool, include_usage: bool
+    ctx: ResponseContext,
+    deltas: Deltas,
+    *,
+    want_logprobs: bool,
+    include_usage: bool,
+    tools: ToolCalling | None = None,
 ) -> AsyncIterator[bytes]:
     states = [ChoiceState() for _ in range(ctx.num_choices)]
+    calls = [tools.stream() for _ in states] if tools is not None else []
     obj = "chat.completion.chunk"
     # The first chunk of every choice carries the role, as OpenAI and vLLM send it.
     for i in range(ctx.num_choices):
@@ -309,13 +336,27 @@ async def chat_stream(
         async for index, delta in deltas:
             _check_error(delta)
             states[index].update(delta, delta.text)
+            finish_reason = delta.finish_reason
+            message: dict[str, Any] = {"content": delta.text}
+            if tools is not None:
+                stream = calls[index]
+                events = stream.feed(delta.text)
+                if finish_reason is not None:
+                    events += stream.finish()
+                    finish_reason = tools.finish_reason(bool(stream.calls), finish_reason)
+                content, tool_calls = _tool_call_deltas(events, tools)
+                message = {"content": content} if content else {}
+                if tool_calls:
+                    message["tool_calls"] = tool_calls
+                if not message and finish_reason is None and not want_logprobs:
+                    continue  # held back (a tag's start) or nothing to show yet
             choice: dict[str, Any] = {
                 "index": index,
-                "delta": {"content": delta.text},
+                "delta": message,
                 "logprobs": chat_logprobs(delta.logprobs) if want_logprobs else None,
-                "finish_reason": delta.finish_reason,
+                "finish_reason": finish_reason,
             }
-            if delta.finish_reason is not None:
+            if finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
             chunk = _chunk(ctx, obj, [choice])
             if ctx.return_token_ids:
@@ -330,22 +371,42 @@ async def chat_stream(
     yield DONE
 
 
-async def chat_full(ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool) -> dict[str, Any]:
+def _chat_message(
+    state: ChoiceState, tools: ToolCalling | None
+) -> tuple[dict[str, Any], str | None]:
+    """A whole choice's message and finish reason."""
+    text = "".join(state.text)
+    if tools is None:
+        return {"role": "assistant", "content": text, "tool_calls": []}, state.finish_reason
+    stream = tools.stream()
+    stream.feed(text)
+    stream.finish()
+    message = {
+        "role": "assistant",
+        "content": tools.content(stream),
+        "tool_calls": [call.to_json() for call in tools.calls(stream)],
+    }
+    return message, tools.finish_reason(bool(stream.calls), state.finish_reason)
+
+
+async def chat_full(
+    ctx: ResponseContext, deltas: Deltas, *, want_logprobs: bool, tools: ToolCalling | None = None
+) -> dict[str, Any]:
     states = [ChoiceState() for _ in range(ctx.num_choices)]
     async for index, delta in deltas:
         _check_error(delta)
         states[index].update(delta, delta.text)
-    choices = [
-        {
+    choices = []
+    for i, s in enumerate(states):
+        message, finish_reason = _chat_message(s, tools)
+        choices.append({
             "index": i,
-            "message": {"role": "assistant", "content": "".join(s.text), "tool_calls": []},
+            "message": message,
             "logprobs": chat_logprobs(s.logprobs) if want_logprobs else None,
-            "finish_reason": s.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": s.stop_reason,
             **({"token_ids": s.token_ids} if ctx.return_token_ids else {}),
-        }
-        for i, s in enumerate(states)
-    ]
+        })  # fmt: skip
     return {
         **_chunk(ctx, "chat.completion", choices),
         "usage": usage(ctx, states),

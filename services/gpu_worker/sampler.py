@@ -128,7 +128,9 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
-        grammar_only = logits if md.constrained else None
+        # Only these masks leave -inf behind (logit_bias is finite, penalties scale).
+        can_empty = md.disallowed_mask is not None or md.min_tokens_mask is not None
+        grammar_only = logits if md.constrained and can_empty else None
         if md.disallowed_mask is not None:
             logits = logits.masked_fill(md.disallowed_mask, _NEG_INF)
         if md.logit_bias is not None:

@@ -58,8 +58,10 @@ class RequestProcessor:
         render_timer: bool = False,
         request_log: RequestLog | None = None,
         structured_outputs_backend: str = "xgrammar",
+        chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template or tokenizer.chat_template  # --chat-template wins
         self.structured_outputs_backend = structured_outputs_backend
         self.request_log = request_log  # --enable-log-requests
         self.max_model_len = max_model_len
@@ -76,7 +78,7 @@ class RequestProcessor:
         add_generation_prompt: bool,
         kwargs: dict[str, object],
     ) -> str:
-        template = template or self.tokenizer.chat_template
+        template = template or self.chat_template
         if not template:
             raise PromptError(
                 "As of transformers v4.44, default chat template is no longer allowed, so you "

@@ -191,6 +191,7 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
         render_timer=True,
         request_log=RequestLog(config.max_log_len) if config.enable_log_requests else None,
         structured_outputs_backend=config.engine.scheduler.structured_outputs.backend_name,
+        chat_template=config.chat_template,
     )
     _limit_memory(_TEMPLATE_MEMORY_BYTES)
     from services.metrics.process_metrics import tokenizer_time

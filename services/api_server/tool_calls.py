@@ -1,0 +1,446 @@
+"""Tool calls in chat completions (issue 17): from generated text to OpenAI's ``tool_calls``.
+
+How a request's tools are called depends on ``tool_choice``:
+
+- a named function: the grammar makes the output that function's arguments (a JSON object
+  following its ``parameters`` schema); the whole text is one call's ``arguments``;
+- ``"required"``: the grammar makes the output a JSON array of ``{"name": ...,
+  "parameters": {...}}`` objects (``required_schema``), one per call, at least one;
+- ``"auto"``: the model writes what it likes; a parser registered by name
+  (``--tool-call-parser``, vLLM's flag) finds the calls in it: ``hermes``
+  (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) or ``llama3_json``
+  (``{"name": ..., "parameters": {...}}`` objects, optionally after ``<|python_tag|>``,
+  separated by ``;``).
+
+Each is a ``CallStream``: fed the text of one choice as it arrives, it returns events:
+content to show, the start of a call (its index, id and name), and pieces of a call's
+arguments as the model writes them, so streamed and whole responses are built from the
+same events and always agree. Arguments are the model's own JSON text, not re-serialised.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def tool_call_id() -> str:
+    """vLLM's form of a tool call id."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Content:
+    text: str
+
+
+@dataclass
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class CallArguments:
+    index: int
+    text: str
+
+
+Event = Content | CallStart | CallArguments
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
+class CallStream:
+    """The events of one choice's text; ``calls`` and ``content`` accumulate them."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+
+    def feed(self, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Event]:
+        """The end of the text: whatever was held back."""
+        return []
+
+    def record(self, events: list[Event]) -> list[Event]:
+        for e in events:
+            if isinstance(e, Content):
+                self.content.append(e.text)
+            elif isinstance(e, CallStart):
+                self.calls.append(ToolCall(e.id, e.name))
+            else:
+                self.calls[e.index].arguments += e.text
+        return events
+
+
+# ---------------------------------------------------------------- JSON call objects
+
+
+class _ObjectScanner:
+    """Follows a stream of JSON objects ``{"name": "...", "arguments" | "parameters": {...}}``
+    character by character: reports each call's name once its string is complete, and the
+    raw text of its arguments value as it streams. Anything between objects is passed to
+    ``between`` (the caller decides: separators, content, or nothing)."""
+
+    _ARGUMENT_KEYS = ("arguments", "parameters")
+
+    def __init__(self, first_index: int = 0) -> None:
+        self.index = first_index - 1
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.key: str | None = None  # the key whose value is being read, at depth 1
+        self.token: list[str] = []  # a key or the name being read
+        self.expect_key = False
+        self.in_value = False  # inside the arguments value
+        self.name: str | None = None
+        self.pending_arguments: list[str] = []  # read before the name
+        self.done_object = False
+
+    def _string_char(self, ch: str) -> bool:
+        """Track strings; True while ``ch`` is inside one (or closes it)."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+            return True
+        if ch == '"':
+            self.in_string = True
+            return True
+        return False
+
+    def feed(self, text: str, between: Callable[[str], list[Event]]) -> list[Event]:
+        events: list[Event] = []
+        for ch in text:
+            if self.depth == 0:
+                if ch == "{":
+                    self._start_object()
+                else:
+                    events += between(ch)
+                continue
+            events += self._object_char(ch)
+        return events
+
+    def _start_object(self) -> None:
+        self.depth, self.expect_key, self.key = 1, True, None
+        self.name, self.pending_arguments, self.in_value = None, [], False
+
+    def _object_char(self, ch: str) -> list[Event]:
+        was_string = self.in_string
+        quoted = self._string_char(ch)
+        if self.in_value:  # the arguments value: every character of it goes out
+            if not quoted and self.depth == 1 and ch in ",}":  # it ended; ch is the object's
+                self.in_value = False
+                if ch == "}":
+                    return self._end_object()
+                self.expect_key = True
+                return []
+            self._nest(ch, quoted)
+            events = self._arguments(ch)
+            if self.depth == 1 and not quoted and ch in "}]":  # its object or array closed
+                self.in_value = False
+            return events
+        if self.depth > 1:  # another key's nested value: skipped
+            self._nest(ch, quoted)
+            return []
+        if quoted:  # depth 1: a key, or the name's value
+            if was_string and not self.in_string:  # the string just closed
+                word = json.loads('"' + "".join(self.token) + '"')
+                self.token = []
+                if self.expect_key:
+                    self.key, self.expect_key = word, False
+                elif self.key == "name" and self.name is None:
+                    self.name = word
+                    return self._named()
+            elif was_string:
+                self.token.append(ch)
+            return []
+        if ch == ":" and self.key in self._ARGUMENT_KEYS:
+            self.in_value = True
+        elif ch == ",":
+            self.expect_key = True
+        elif ch == "}":
+            return self._end_object()
+        else:
+            self._nest(ch, quoted)
+        return []
+
+    def _nest(self, ch: str, quoted: bool) -> None:
+        if not quoted:
+            if ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+
+    def reset(self) -> None:
+        """Drop a partly read object (its text ended early); call indexes go on."""
+        self.depth, self.in_string, self.escape, self.in_value = 0, False, False, False
+        self.token, self._no_arguments_yet = [], True
+
+    def _arguments(self, ch: str) -> list[Event]:
+        if not self.pending_arguments and ch.isspace() and self._no_arguments_yet:
+            return []  # whitespace before the value starts
+        self._no_arguments_yet = False
+        if self.name is None:
+            self.pending_arguments.append(ch)
+            return []
+        return [CallArguments(self.index, ch)]
+
+    _no_arguments_yet = True
+
+    def _named(self) -> list[Event]:
+        assert self.name is not None
+        self.index += 1
+        events: list[Event] = [CallStart(self.index, tool_call_id(), self.name)]
+        if self.pending_arguments:
+            events.append(CallArguments(self.index, "".join(self.pending_arguments)))
+            self.pending_arguments = []
+        return events
+
+    def _end_object(self) -> list[Event]:
+        self.depth = 0
+        self._no_arguments_yet = True
+        self.done_object = True
+        return []
+
+
+def _merge(events: list[Event]) -> list[Event]:
+    """Adjacent pieces of the same kind as one event (one chunk per feed, not per char)."""
+    merged: list[Event] = []
+    for e in events:
+        last = merged[-1] if merged else None
+        if (
+            isinstance(e, Content)
+            and isinstance(last, Content)
+            or isinstance(e, CallArguments)
+            and isinstance(last, CallArguments)
+            and (last.index == e.index)
+        ):
+            last.text += e.text
+        else:
+            merged.append(e)
+    return merged
+
+
+# ---------------------------------------------------------------- tool_choice forms
+
+
+class NamedCall(CallStream):
+    """A named function: the whole output is its arguments."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.started = False
+
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if not self.started:
+            self.started = True
+            events.append(CallStart(0, tool_call_id(), self.name))
+        if text:
+            events.append(CallArguments(0, text))
+        return self.record(events)
+
+
+class RequiredCalls(CallStream):
+    """``"required"``: a JSON array of ``{"name", "parameters"}`` objects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scanner = _ObjectScanner()
+
+    def feed(self, text: str) -> list[Event]:
+        return self.record(_merge(self.scanner.feed(text, lambda ch: [])))
+
+
+class HermesCalls(CallStream):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, content around it."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scanner = _ObjectScanner()
+        self.held = ""  # text that may be the start of a tag
+        self.inside = False
+        self.seen_call = False
+
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        text = self.held + text
+        self.held = ""
+        while text:
+            tag = self.END if self.inside else self.START
+            at = text.find(tag)
+            if at < 0:
+                keep = _partial_suffix(text, tag)
+                body, self.held = text[: len(text) - keep], text[len(text) - keep :]
+                events += self._body(body)
+                break
+            events += self._body(text[:at])
+            text = text[at + len(tag) :]
+            if self.inside:
+                self.scanner.reset()  # a call cut short by its end tag is dropped
+            self.inside = not self.inside
+        return self.record(_merge(events))
+
+    def _body(self, text: str) -> list[Event]:
+        if not self.inside:  # content is what comes before the first call (as vLLM)
+            return [Content(text)] if text and not self.seen_call else []
+        self.seen_call = True
+        return self.scanner.feed(text, lambda ch: [])
+
+    def finish(self) -> list[Event]:
+        held, self.held = self.held, ""
+        return self.record(self._body(held) if held and not self.inside else [])
+
+
+class Llama3JsonCalls(CallStream):
+    """Llama 3's JSON tool calls: the output is ``{"name": ..., "parameters": {...}}``
+    objects (after an optional ``<|python_tag|>``, separated by ``;``), or plain content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scanner = _ObjectScanner()
+        self.mode: str | None = None  # "calls" or "content", once the output shows which
+        self.head = ""
+
+    def feed(self, text: str) -> list[Event]:
+        if self.mode is None:
+            self.head += text
+            stripped = self.head.lstrip()
+            if not stripped or (self.TAG.startswith(stripped) and stripped != self.TAG):
+                return []
+            if stripped.startswith(self.TAG):
+                self.mode, text = "calls", stripped[len(self.TAG) :]
+            elif stripped.startswith("{"):
+                self.mode, text = "calls", stripped
+            else:
+                self.mode, text = "content", self.head
+        if self.mode == "content":
+            return self.record([Content(text)] if text else [])
+        return self.record(_merge(self.scanner.feed(text, lambda ch: [])))
+
+    def finish(self) -> list[Event]:
+        if self.mode is None and self.head:
+            self.mode = "content"
+            return self.record([Content(self.head)])
+        return []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+TOOL_CALL_PARSERS: dict[str, Callable[[], CallStream]] = {
+    "hermes": HermesCalls,
+    "llama3_json": Llama3JsonCalls,
+}
+
+
+# ---------------------------------------------------------------- request side
+
+
+def function_names(tools: list[dict[str, Any]]) -> list[str]:
+    return [t["function"]["name"] for t in tools]
+
+
+def parameters_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function's ``parameters`` (an object with no properties when it has none)."""
+    params = tool["function"].get("parameters")
+    return params if params is not None else {"type": "object", "properties": {}}
+
+
+def named_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return parameters_schema(next(t for t in tools if t["function"]["name"] == name))
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """One or more calls of the given functions, each ``{"name", "parameters"}`` with that
+    function's parameters (vLLM's schema for ``tool_choice: "required"``); exactly one
+    without ``parallel`` (``parallel_tool_calls: false``, which vLLM only applies by
+    dropping the calls after the first)."""
+    return {
+        "type": "array",
+        "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [t["function"]["name"]]},
+                        "parameters": parameters_schema(t),
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for t in tools
+            ]
+        },
+    }
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """How one chat request's choices turn into tool calls: ``forced`` is ``"required"``,
+    a function's name, or None (``"auto"``: ``parser`` finds the calls)."""
+
+    forced: str | None
+    parser: str | None
+    parallel: bool = True
+
+    def stream(self) -> CallStream:
+        if self.forced == "required":
+            return RequiredCalls()
+        if self.forced is not None:
+            return NamedCall(self.forced)
+        assert self.parser is not None
+        return TOOL_CALL_PARSERS[self.parser]()
+
+    def finish_reason(self, made_calls: bool, engine_reason: str | None) -> str | None:
+        """vLLM's: "tool_calls" when calls were made and the output ended by itself, except
+        for a named function (the caller asked for that one call: "stop")."""
+        named = self.forced not in (None, "required")
+        return (
+            "tool_calls" if made_calls and not named and engine_reason == "stop" else engine_reason
+        )
+
+    def calls(self, stream: CallStream) -> list[ToolCall]:
+        return stream.calls if self.parallel else stream.calls[:1]
+
+    def content(self, stream: CallStream) -> str | None:
+        """The message's content: "" with a forced call; what the parser left, or None when
+        it found calls and nothing else (vLLM's)."""
+        text = "".join(stream.content)
+        if self.forced is None and stream.calls and not text:
+            return None
+        return text
