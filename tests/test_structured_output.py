@@ -53,8 +53,15 @@ def tok():
     return load_serving_tokenizer()
 
 
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def backend(tok, request):
+    """Each grammar engine (the tests of what both must do)."""
+    vocab = VocabInfo(tok.tokenizer, tok.tokenizer.get_vocab_size(), (tok.eos_token_id,))
+    return load_backend(request.param, vocab)
+
+
 @pytest.fixture(scope="module")
-def backend(tok):
+def xgrammar(tok):
     vocab = VocabInfo(tok.tokenizer, tok.tokenizer.get_vocab_size(), (tok.eos_token_id,))
     return load_backend("xgrammar", vocab)
 
@@ -72,10 +79,10 @@ def constrained_decode(backend, tok, constraint: Constraint, seed: int, max_step
         apply_token_bitmask(logits, torch.tensor([0]), torch.from_numpy(bitmask))
         token = int(logits.argmax())
         assert matcher.accept(token)
-        if matcher.is_terminated():
-            assert token == tok.eos_token_id
+        if token != tok.eos_token_id:
+            ids.append(token)
+        if matcher.is_terminated():  # after EOS (xgrammar), or once only EOS may follow
             return tok.decode(ids), True
-        ids.append(token)
     return tok.decode(ids), False
 
 
@@ -140,11 +147,11 @@ def test_a_forbidden_token_is_refused_and_the_matcher_stays(backend, tok):
         (Constraint("grammar", "root ::= undefined_rule"), "undefined_rule"),
     ],
 )
-def test_a_bad_constraint_says_what_is_wrong(backend, constraint, says):
+def test_a_bad_constraint_says_what_is_wrong(xgrammar, constraint, says):
     """The same error from the cheap check (the tokenizer's, no vocabulary) and the compile
     (the scheduler's)."""
     for attempt in (lambda: check_constraint("xgrammar", constraint),
-                    lambda: backend.matcher(constraint)):  # fmt: skip
+                    lambda: xgrammar.matcher(constraint)):  # fmt: skip
         with pytest.raises(GrammarError, match=re.escape(says)) as e:
             attempt()
         assert "/project/cpp" not in str(e.value)  # the library's source location is cut
@@ -157,12 +164,12 @@ def test_unknown_kind_and_backend():
         load_backend("nope", VocabInfo(None, 8, ()))  # type: ignore[arg-type]
 
 
-def test_bitmask_application_matches_xgrammars(backend):
+def test_bitmask_application_matches_xgrammars(xgrammar):
     """Our torch unpacking (the worker's, no grammar engine there) against xgrammar's own
     ``apply_token_bitmask_inplace``, on rows 1 and 3 of a batch of 4."""
     import xgrammar as xgr
 
-    vocab = backend.vocab_size
+    vocab = xgrammar.vocab_size
     rng = np.random.default_rng(0)
     bitmask = rng.integers(-(2**31), 2**31, size=(4, (vocab + 31) // 32), dtype=np.int64)
     bitmask = torch.from_numpy(bitmask.astype(np.int32))
@@ -176,7 +183,7 @@ def test_bitmask_application_matches_xgrammars(backend):
 
 
 @pytest.mark.parametrize("form", ["xgrammar", "vllm_structures"])
-def test_structural_tag_accepts_its_text_and_refuses_other(backend, tok, form):
+def test_structural_tag_accepts_its_text_and_refuses_other(xgrammar, tok, form):
     """Both forms of a structural tag: xgrammar's ``format`` and vLLM's older ``structures``
     with ``triggers`` (free text until a trigger, then the tagged JSON)."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
@@ -191,7 +198,7 @@ def test_structural_tag_accepts_its_text_and_refuses_other(backend, tok, form):
         good, bad = 'Sure. <x>{"a": 5}</x> done', 'Sure. <x>{"b": 5}</x>'
 
     def accepts(text: str) -> bool:
-        matcher = backend.matcher(Constraint("structural_tag", json.dumps(tag)))
+        matcher = xgrammar.matcher(Constraint("structural_tag", json.dumps(tag)))
         return all(matcher.accept(t) for t in tok.encode(text, add_special_tokens=False))
 
     assert accepts(good) and not accepts(bad)

@@ -143,6 +143,23 @@ def test_preemption_prefix_cache_and_async_scheduling_keep_the_outputs(llm: LLM)
     assert small.scheduler.num_preemptions > 0
 
 
+def test_the_guidance_backend_serves_the_same_constraints() -> None:
+    llm = LLM(max_model_len=512, structured_outputs_config={"backend": "guidance"})
+    outs = llm.generate(
+        [chat(llm, "A city as JSON."), chat(llm, "Is the sky blue?")],
+        [
+            greedy(120, structured_outputs=SO(json=json.dumps(MORE_SCHEMAS[0]))),
+            greedy(structured_outputs=SO(choice=["yes", "no"])),
+        ],  # fmt: skip
+    )
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), MORE_SCHEMAS[0])
+    assert outs[1].outputs[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match="Invalid regex"):
+        llm.generate(["x"], greedy(structured_outputs=SO(regex="(unclosed")))
+    with pytest.raises(ValueError, match="structural_tag is not supported"):
+        llm.generate(["x"], greedy(structured_outputs=SO(structural_tag="{}")))
+
+
 def test_simulated_worker_samples_within_the_grammar() -> None:
     sim = LLM(worker_backend="sim", max_model_len=512)
     pattern = r"(red|green|blue)-[0-9]{2,4}"
