@@ -188,29 +188,37 @@ STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
 class StructuredOutputsConfig:
     """``--structured-outputs-config``: vLLM's StructuredOutputsConfig, the fields we use.
 
-    ``backend`` is the grammar engine ("auto" is xgrammar, vLLM's default);
+    ``backend`` is the grammar engine: "auto" (vLLM's default) is xgrammar, or guidance for
+    a JSON schema with keywords xgrammar does not enforce (unless ``disable_fallback``);
     ``disable_any_whitespace`` makes JSON outputs compact for every request."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
+    disable_fallback: bool = False
 
     @classmethod
     def from_json(cls, text: str | None) -> StructuredOutputsConfig:
         if not text:
             return cls()
-        raw = parse_json_object(
-            "--structured-outputs-config", text, {"backend", "disable_any_whitespace"}
-        )
+        flag = "--structured-outputs-config"
+        raw = parse_json_object(flag, text, {
+            "backend", "disable_any_whitespace", "disable_fallback",
+            "disable_additional_properties", "reasoning_parser", "reasoning_parser_plugin",
+            "enable_in_reasoning",
+        })  # fmt: skip
         backend = raw.get("backend", "auto")
-        check_choice("--structured-outputs-config backend", backend, STRUCTURED_OUTPUT_BACKENDS)
-        whitespace = raw.get("disable_any_whitespace", False)
-        if not isinstance(whitespace, bool):
-            raise ConfigError("--structured-outputs-config: disable_any_whitespace must be a bool")
-        return cls(backend, whitespace)
-
-    @property
-    def backend_name(self) -> str:
-        return "xgrammar" if self.backend == "auto" else self.backend
+        check_choice(f"{flag} backend", backend, STRUCTURED_OUTPUT_BACKENDS)
+        for key in ("disable_any_whitespace", "disable_fallback"):
+            if not isinstance(raw.get(key, False), bool):
+                raise ConfigError(f"{flag}: {key} must be true or false")
+        # vLLM's keys for what this engine does not have: accepted when they ask for nothing
+        if raw.get("disable_additional_properties"):
+            raise ConfigError(f"{flag}: disable_additional_properties is not supported")
+        if raw.get("reasoning_parser") or raw.get("reasoning_parser_plugin"):
+            raise ConfigError(f"{flag}: there are no reasoning parsers in this engine")
+        return cls(
+            backend, raw.get("disable_any_whitespace", False), raw.get("disable_fallback", False)
+        )
 
 
 @dataclass

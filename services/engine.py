@@ -106,7 +106,8 @@ class LLM:
         self.processor = RequestProcessor(
             self.tokenizer,
             max_len,
-            structured_outputs_backend=self.config.scheduler.structured_outputs.backend_name,
+            structured_outputs_backend=self.config.scheduler.structured_outputs.backend,
+            structured_outputs_fallback=not self.config.scheduler.structured_outputs.disable_fallback,
         )
         self._ranks: LocalWorkerRanks | None = None
         executor: Executor
@@ -122,9 +123,10 @@ class LLM:
             self.config,
             executor,
             structured_output=StructuredOutputManager(  # compiles in add_request: errors raise
-                structured.backend_name,
+                structured.backend,
                 lambda: vocab_info(self.tokenizer, arch.vocab_size),
                 disable_any_whitespace=structured.disable_any_whitespace,
+                disable_fallback=structured.disable_fallback,
                 synchronous=True,
             ),
         )
@@ -151,46 +153,54 @@ class LLM:
         params = self._per_prompt(sampling_params, len(prompts))
         results: list[RequestOutput] = []
         sequences: dict[str, _Sequence] = {}
-        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            sp.validate()
-            request_id = str(next(self._ids))
-            text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-            for index in range(sp.n):
-                req_id = f"{request_id}-{index}" if sp.n > 1 else request_id
-                checked = self.processor.process(
-                    GenerateRequest(
-                        req_id,
-                        choice_params(sp, index),
-                        prompt=text,
-                        prompt_token_ids=token_ids,
-                        priority=priority[i] if priority else 0,
-                    )
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                sp.validate()
+                request_id = str(next(self._ids))
+                text, token_ids = (
+                    (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
                 )
-                if isinstance(checked, RequestError):
-                    raise ValueError(checked.message)
-                tokenized, spec = checked
-                if index == 0:
-                    result = RequestOutput(
-                        request_id=request_id,
-                        prompt=text,
-                        prompt_token_ids=tokenized.prompt_token_ids,
-                        outputs=[],
-                        prompt_logprobs=None if sp.prompt_logprobs is None else [None],
+                for index in range(sp.n):
+                    req_id = f"{request_id}-{index}" if sp.n > 1 else request_id
+                    checked = self.processor.process(
+                        GenerateRequest(
+                            req_id,
+                            choice_params(sp, index),
+                            prompt=text,
+                            prompt_token_ids=token_ids,
+                            priority=priority[i] if priority else 0,
+                        )
                     )
-                    results.append(result)
-                self.core.add_request(tokenized)
-                sequences[req_id] = _Sequence(
-                    parent=result,
-                    index=index,
-                    detokenizer=IncrementalDetokenizer(
-                        self.tokenizer.tokenizer,
-                        skip_special_tokens=spec.sampling.skip_special_tokens,
-                        stop=list(spec.sampling.stop),
-                        include_stop_str_in_output=spec.sampling.include_stop_str_in_output,
-                        prompt_token_ids=tokenized.prompt_token_ids,
-                    ),
-                    logprobs=[] if spec.sampling.logprobs is not None else None,
-                )
+                    if isinstance(checked, RequestError):
+                        raise ValueError(checked.message)
+                    tokenized, spec = checked
+                    if index == 0:
+                        result = RequestOutput(
+                            request_id=request_id,
+                            prompt=text,
+                            prompt_token_ids=tokenized.prompt_token_ids,
+                            outputs=[],
+                            prompt_logprobs=None if sp.prompt_logprobs is None else [None],
+                        )
+                        results.append(result)
+                    self.core.add_request(tokenized)
+                    sequences[req_id] = _Sequence(
+                        parent=result,
+                        index=index,
+                        detokenizer=IncrementalDetokenizer(
+                            self.tokenizer.tokenizer,
+                            skip_special_tokens=spec.sampling.skip_special_tokens,
+                            stop=list(spec.sampling.stop),
+                            include_stop_str_in_output=spec.sampling.include_stop_str_in_output,
+                            prompt_token_ids=tokenized.prompt_token_ids,
+                        ),
+                        logprobs=[] if spec.sampling.logprobs is not None else None,
+                    )
+        except Exception:
+            # A prompt refused part-way (its grammar, offline, fails as it compiles): the
+            # requests already added must not run on into the next call.
+            self.core.abort_requests(list(sequences))
+            raise
         while sequences:
             for item in self.step():
                 self._collect(item, sequences)

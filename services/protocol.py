@@ -54,7 +54,7 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
         return [
             k
             for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-            if getattr(self, k) not in (None, False)
+            if getattr(self, k) is not None  # vLLM's count: json_object false is one too
         ]
 
     def validate(self) -> None:
@@ -66,6 +66,11 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
                 "structured_outputs",
             )
         if not kinds:
+            raise InvalidParam(
+                "You must use one kind of structured outputs constraint but none are specified",
+                "structured_outputs",
+            )
+        if kinds == ["json_object"] and not self.json_object:
             raise InvalidParam(
                 "You must use one kind of structured outputs constraint but none are specified",
                 "structured_outputs",
@@ -308,6 +313,9 @@ class RequestTokens(msgspec.Struct, **_STRUCT):
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = []
     kv_transfer_params: dict[str, object] | None = None  # with the finish: where its KV waits
+    # With finish_reason "error" when the request itself was at fault (its grammar): why,
+    # for the client (a 400); None for the engine's own failures (a 500)
+    error: str | None = None
 
 
 class TokenBatch(msgspec.Struct, **_STRUCT):
@@ -501,6 +509,7 @@ class TextDelta(msgspec.Struct, **_STRUCT):
     prompt_logprobs: DecodedPromptLogprobs | None = None  # on the first delta with tokens
     prompt_token_ids: list[int] | None = None  # on the first delta, with return_token_ids
     kv_transfer_params: dict[str, object] | None = None  # on the last delta, when held for PD
+    error: str | None = None  # RequestTokens.error, with finish_reason "error"
 
 
 class TextDeltaBatch(msgspec.Struct, **_TAGGED):

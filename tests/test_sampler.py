@@ -256,3 +256,25 @@ def test_bad_words_mask_the_token_that_would_complete_one():
     md = batch.sampling_metadata(states, VOCAB)
     assert md.min_tokens_mask is not None
     assert md.min_tokens_mask[1].tolist() == [7]
+
+
+def test_a_grammar_wins_over_min_tokens_on_its_own_rows_only():
+    """Row 0 is constrained to EOS by its grammar (already applied to its logits) and has
+    min_tokens; row 1 is free but its own masks leave it nothing. Only row 0 falls back to
+    what its grammar allows; row 1 samples as it would in any batch."""
+    logits = torch.full((2, VOCAB), -5.0)
+    logits[0] = float("-inf")
+    logits[0, EOS] = 1.0  # the grammar allows only EOS
+    logits[1, 9] = 3.0  # what row 1 would take if its own masks were dropped
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=0.0, min_tokens=3, allowed_token_ids=[EOS]),
+    ]
+    batch, states = make_batch(params)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    alone = sampler(logits[1:].clone(), batch.sampling_metadata(states[1:], VOCAB))
+    md = batch.sampling_metadata(states, VOCAB)
+    md.constrained = torch.tensor([True, False])
+    both = sampler(logits.clone(), md).sampled_token_ids.tolist()
+    assert both[0] == EOS
+    assert both[1] == alone.sampled_token_ids.item() != 9

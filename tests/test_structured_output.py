@@ -18,12 +18,15 @@ import pytest
 import torch
 
 from services.structured_output.backend import (
+    MAX_CONSTRAINT_BYTES,
     Constraint,
     GrammarError,
     VocabInfo,
     allocate_bitmask,
     check_constraint,
+    choose_backend,
     load_backend,
+    xgrammar_unsupported,
 )
 from services.structured_output.bitmask import apply_token_bitmask
 
@@ -205,3 +208,32 @@ def test_structural_tag_accepts_its_text_and_refuses_other(xgrammar, tok, form):
     check_constraint("xgrammar", Constraint("structural_tag", json.dumps(tag)))
     with pytest.raises(GrammarError, match="structural_tag"):
         check_constraint("xgrammar", Constraint("structural_tag", '{"structures": [{}]}'))
+
+
+def test_auto_sends_schemas_xgrammar_would_not_enforce_to_guidance():
+    plain = Constraint("json", json.dumps(SCHEMAS[0]))
+    unique = Constraint("json", json.dumps({"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}))  # fmt: skip
+    assert xgrammar_unsupported(json.loads(unique.spec)) == ["uniqueItems"]
+    assert xgrammar_unsupported({"allOf": [{"type": "number", "multipleOf": 3}]}) == [
+        "allOf", "multipleOf"]  # fmt: skip
+    assert choose_backend("auto", plain) == "xgrammar"
+    assert choose_backend("auto", unique) == "guidance"
+    assert choose_backend("guidance", plain) == "guidance"
+    for configured, fallback in (("xgrammar", True), ("auto", False)):
+        with pytest.raises(GrammarError, match="not supported by xgrammar: uniqueItems"):
+            choose_backend(configured, unique, fallback)
+
+
+def test_too_large_or_too_deep_a_constraint_is_refused_before_any_engine_sees_it():
+    deep = {"type": "object", "properties": {}}
+    node = deep
+    for _ in range(40):
+        node["properties"]["x"] = {"type": "object", "properties": {}}
+        node = node["properties"]["x"]
+    for constraint, says in (
+        (Constraint("regex", "a" * (MAX_CONSTRAINT_BYTES + 1)), "bytes; this server takes"),
+        (Constraint("json", json.dumps(deep)), "nests deeper than 64 levels"),
+    ):
+        with pytest.raises(GrammarError, match=says):
+            check_constraint("xgrammar", constraint)

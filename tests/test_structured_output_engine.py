@@ -126,8 +126,18 @@ def test_min_tokens_cannot_make_the_grammar_sample_nothing(llm: LLM) -> None:
 def test_a_bad_constraint_is_refused_offline(llm: LLM) -> None:
     with pytest.raises(ValueError, match="only use one kind"):
         llm.generate(["x"], greedy(structured_outputs=SO(regex="a", choice=["a"])))
+    with pytest.raises(ValueError, match="only use one kind"):  # vLLM counts a false too
+        llm.generate(["x"], greedy(structured_outputs=SO(regex="a", json_object=False)))
     with pytest.raises(ValueError, match="Invalid json"):
         llm.generate(["x"], greedy(structured_outputs=SO(json='{"type": "nonsense"}')))
+    # Syntax fine, but nothing can match: found as it compiles, after the first prompt was
+    # added; that one must not run on into the next call.
+    with pytest.raises(ValueError, match="allows no output at all"):
+        llm.generate(
+            ["a", "b"], [greedy(4), greedy(structured_outputs=SO(grammar="root ::= root"))]
+        )
+    (out,) = llm.generate(["c"], greedy(4))
+    assert out.outputs[0].token_ids and not llm.scheduler.requests
 
 
 def test_preemption_prefix_cache_and_async_scheduling_keep_the_outputs(llm: LLM) -> None:
@@ -226,6 +236,7 @@ def test_served_constraints_and_errors(client: openai.OpenAI) -> None:
             {"response_format": {"type": "yaml"}},
         ],
         None: [
+            {"structured_outputs": {"grammar": "root ::= root"}},  # found by the scheduler
             {"structured_outputs": {"regex": "(unclosed"}},
             {"response_format": {"type": "json_schema",
                                  "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},

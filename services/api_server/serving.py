@@ -102,6 +102,8 @@ def usage(ctx: ResponseContext, states: list[ChoiceState]) -> dict[str, Any]:
 
 def _check_error(delta: TextDelta) -> None:
     if delta.finish_reason == "error":
+        if delta.error is not None:  # the request's own fault (its grammar)
+            raise EngineRequestError(400, delta.error, "BadRequestError")
         raise EngineRequestError(500, "the engine failed while generating", "InternalServerError")
 
 

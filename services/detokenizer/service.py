@@ -167,6 +167,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=prompt_ids,
             kv_transfer_params=item.kv_transfer_params,
+            error=item.error,
         )
 
     def _decode_logprobs(self, lp: TokenLogprobs) -> DecodedLogprob:

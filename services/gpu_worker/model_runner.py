@@ -320,10 +320,9 @@ class ModelRunner(WorkerBackend):
                     prompt_logprobs=prompt_logprobs,
                 )
             logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
-            if plan.grammar_req_ids:
-                _apply_grammar(logits, plan, sample_states)
+            constrained = _apply_grammar(logits, plan, sample_states)
             md = batch.sampling_metadata(sample_states, logits.shape[1])
-            md.constrained = bool(plan.grammar_req_ids)
+            md.constrained = constrained
             out = self.sampler(logits, md)
         sampled = out.sampled_token_ids.cpu().numpy()
         batch.append_tokens(rows[sampling], sampled, sample_states)
@@ -425,13 +424,21 @@ def _token_logprobs(
 
 def _apply_grammar(
     logits: torch.Tensor, plan: StepPlan, sample_states: list[CachedRequestState]
-) -> None:
+) -> torch.Tensor | None:
     """The plan's bitmask rows onto the logits of the requests they belong to (before
-    logprobs and sampling, as vLLM: a constrained request's logprobs are the grammar's)."""
+    logprobs and sampling, as vLLM: a constrained request's logprobs are the grammar's);
+    which rows those are ([N] bool), None when none."""
+    if not plan.grammar_req_ids:
+        return None
     index = {s.req_id: i for i, s in enumerate(sample_states)}
-    rows = [index[req_id] for req_id in plan.grammar_req_ids]  # a row for each, or a bug
+    rows = torch.tensor(
+        [index[req_id] for req_id in plan.grammar_req_ids], device=logits.device
+    )  # a row for each, or a bug
     bitmask = bitmask_rows(plan.grammar_bitmask, len(rows))
-    apply_token_bitmask(logits, torch.tensor(rows, device=logits.device), bitmask)
+    apply_token_bitmask(logits, rows, bitmask)
+    constrained = torch.zeros(len(sample_states), dtype=torch.bool, device=logits.device)
+    constrained[rows] = True
+    return constrained
 
 
 def _to_token_logprobs(

@@ -52,10 +52,10 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # [N, vocab] True where a token may NOT be sampled (allowed_token_ids); None = no limits
     disallowed_mask: torch.Tensor | None = None
-    # Some rows' logits are already masked by a grammar (structured outputs): where the
-    # masks below leave such a row nothing (min_tokens forbids the EOS the grammar wants),
-    # the grammar wins.
-    constrained: bool = False
+    # The rows whose logits are already masked by a grammar (structured outputs), [N] bool:
+    # where the masks below leave such a row nothing (min_tokens forbids the EOS the
+    # grammar wants), the grammar wins. None: no such row.
+    constrained: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Sampler:
             raw_logprobs = logits.log_softmax(dim=-1)
         # Only these masks leave -inf behind (logit_bias is finite, penalties scale).
         can_empty = md.disallowed_mask is not None or md.min_tokens_mask is not None
-        grammar_only = logits if md.constrained and can_empty else None
+        grammar_only = logits if md.constrained is not None and can_empty else None
         if md.disallowed_mask is not None:
             logits = logits.masked_fill(md.disallowed_mask, _NEG_INF)
         if md.logit_bias is not None:
@@ -143,8 +143,9 @@ class Sampler:
                 md.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device)
             )
         if grammar_only is not None:
-            nothing_left = torch.isneginf(logits).all(dim=-1, keepdim=True)
-            logits = torch.where(nothing_left, grammar_only, logits)
+            assert md.constrained is not None
+            nothing_left = torch.isneginf(logits).all(dim=-1) & md.constrained
+            logits = torch.where(nothing_left[:, None], grammar_only, logits)
         greedy_tokens = logits.argmax(dim=-1)
         if md.all_greedy:
             out.sampled_token_ids = greedy_tokens

@@ -403,9 +403,11 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
         for request, error in failed:
-            logger.warning("request %s: %s", request.req_id, error)
+            logger.warning("request %s: %s", request.req_id, error or "grammar engine failed")
             self._finish(request, RequestStatus.FINISHED_ERROR)
-            self._pending_outputs.append(self._output(request, [], "error"))
+            output = self._output(request, [], "error")
+            output.error = error
+            self._pending_outputs.append(output)
 
     def _admit(self, request: Request, scheduled_new: list[Request]) -> None:
         request.status = RequestStatus.RUNNING

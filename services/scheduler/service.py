@@ -68,9 +68,10 @@ class EngineCoreProc:
             self.executor,
             enable_kv_cache_events=ep.kv_events is not None or data_parallel,
             structured_output=StructuredOutputManager(
-                structured.backend_name,
+                structured.backend,
                 vocab_from_folder(config.model_folder),
                 disable_any_whitespace=structured.disable_any_whitespace,
+                disable_fallback=structured.disable_fallback,
                 wake=lambda: self._inputs.put(None),  # a grammar compiled: step again
             ),
         )
@@ -200,7 +201,7 @@ class EngineCoreProc:
             self._kv_events.publish(clock.wall(), events, dp_rank)
         if self._state is not None:
             sched = self.scheduler
-            load = (len(sched.waiting), len(sched.running))
+            load = (len(sched.requests) - len(sched.running), len(sched.running))
             if events or load != self._last_load or self._received:
                 self._last_load, self._received = load, False
                 usage = sched.kv_cache_manager.block_pool.get_usage()

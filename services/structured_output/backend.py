@@ -129,7 +129,101 @@ def load_backend(name: str, vocab: VocabInfo) -> GrammarBackend:
 
 def check_constraint(name: str, constraint: Constraint) -> None:
     """``GrammarError`` (what is wrong) unless backend ``name`` can compile ``constraint``."""
+    check_size(constraint)
     backend_class(name).check(constraint)
+
+
+# What a constraint may be: its text, and for JSON its nesting. Checking and compiling cost
+# grows with both (a schema nested 300 deep takes seconds to check, and compiles in minutes):
+# one request must not stall the tokenizer or the compile threads for everyone. OpenAI's
+# own limits are of this order (120,000 characters of schema, 10 levels of nesting).
+MAX_CONSTRAINT_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 64
+
+
+def check_size(constraint: Constraint) -> None:
+    size = len(constraint.spec.encode())
+    if size > MAX_CONSTRAINT_BYTES:
+        raise GrammarError(
+            f"the {constraint.kind} constraint has {size:,} bytes; this server takes at most "
+            f"{MAX_CONSTRAINT_BYTES:,}"
+        )
+    if constraint.kind in ("json", "structural_tag") and _depth(constraint.spec) > MAX_JSON_DEPTH:
+        raise GrammarError(
+            f"the {constraint.kind} constraint nests deeper than {MAX_JSON_DEPTH} levels"
+        )
+
+
+def _depth(text: str) -> int:
+    """How deep JSON text nests (brackets outside strings), without parsing it."""
+    depth = deepest = 0
+    in_string = escape = False
+    for ch in text:
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}]":
+            depth -= 1
+    return deepest
+
+
+# JSON schema keywords xgrammar does not enforce (vLLM's list, and allOf): with backend
+# "auto" such a schema goes to guidance; with "xgrammar" it is refused.
+_XGRAMMAR_UNSUPPORTED = {
+    "integer": ("multipleOf",),
+    "number": ("multipleOf",),
+    "array": ("uniqueItems", "contains", "minContains", "maxContains"),
+    "object": ("minProperties", "maxProperties", "propertyNames", "patternProperties"),
+}
+
+
+def xgrammar_unsupported(schema: object) -> list[str]:
+    """The keywords of ``schema`` (anywhere in it) that xgrammar would ignore."""
+    found: list[str] = []
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kinds = node.get("type")
+        for kind in kinds if isinstance(kinds, list) else [kinds]:
+            if isinstance(kind, str):
+                found += [k for k in _XGRAMMAR_UNSUPPORTED.get(kind, ()) if k in node]
+        if "allOf" in node:
+            found.append("allOf")
+        stack.extend(node.values())
+    return sorted(set(found))
+
+
+def choose_backend(configured: str, constraint: Constraint, fallback: bool = True) -> str:
+    """The engine for one constraint: ``configured``, or with "auto" xgrammar unless the
+    schema needs what only guidance enforces (vLLM's rule; ``fallback`` False: refused)."""
+    if configured not in ("auto", "xgrammar") or constraint.kind != "json":
+        return "xgrammar" if configured == "auto" else configured
+    try:
+        unsupported = xgrammar_unsupported(json.loads(constraint.spec))
+    except ValueError:
+        return "xgrammar"  # not JSON: xgrammar says what is wrong with it
+    if not unsupported:
+        return "xgrammar"
+    if configured == "auto" and fallback:
+        return "guidance"
+    raise GrammarError(
+        "The provided JSON schema contains features not supported by xgrammar: "
+        f"{', '.join(unsupported)}"
+    )
 
 
 def choices(spec: str) -> list[str]:

@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from services.protocol import StructuredOutputsParams
 from services.structured_output.backend import (
     Constraint,
@@ -29,6 +31,7 @@ from services.structured_output.backend import (
     Matcher,
     VocabInfo,
     allocate_bitmask,
+    choose_backend,
     load_backend,
 )
 
@@ -84,33 +87,51 @@ class StructuredOutputManager:
         vocab: Callable[[], VocabInfo],
         *,
         disable_any_whitespace: bool = False,
+        disable_fallback: bool = False,
         wake: Callable[[], None] | None = None,
         synchronous: bool = False,
     ) -> None:
-        self.backend_name = backend
+        self.backend = backend  # "auto" picks per constraint (choose_backend)
         self.disable_any_whitespace = disable_any_whitespace
+        self.fallback = not disable_fallback
         self._vocab = vocab
-        self._backend: GrammarBackend | None = None
+        self._vocab_info: VocabInfo | None = None
+        self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self._wake = wake
+        # Two threads: one slow grammar (compile time grows fast with a schema's size) does
+        # not hold up every other constrained request; xgrammar lets go of the GIL.
         self._pool = (
-            None if synchronous else ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            None if synchronous else ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
         )
         self._compiling: dict[str, tuple[Request, Future[Matcher]]] = {}
 
     @property
     def vocab_size(self) -> int:
-        return self._get_backend().vocab_size
-
-    def _get_backend(self) -> GrammarBackend:
         with self._backend_lock:
-            if self._backend is None:
-                logger.info("structured outputs: loading the %s backend", self.backend_name)
-                self._backend = load_backend(self.backend_name, self._vocab())
-            return self._backend
+            if self._vocab_info is None:
+                self._vocab_info = self._vocab()
+            return self._vocab_info.vocab_size
+
+    def _get_backend(self, name: str) -> GrammarBackend:
+        self.vocab_size  # noqa: B018 (loads the vocabulary once)
+        with self._backend_lock:
+            if name not in self._backends:
+                logger.info("structured outputs: loading the %s backend", name)
+                assert self._vocab_info is not None
+                self._backends[name] = load_backend(name, self._vocab_info)
+            return self._backends[name]
 
     def _compile(self, constraint: Constraint) -> Matcher:
-        return self._get_backend().matcher(constraint)
+        """The constraint's matcher, from the backend that takes it; ``GrammarError`` also
+        for a grammar that allows nothing at all (it could only fail the request later)."""
+        name = choose_backend(self.backend, constraint, self.fallback)
+        matcher = self._get_backend(name).matcher(constraint)
+        row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        matcher.fill(row, 0)
+        if not row.any():
+            raise GrammarError(f"the {constraint.kind} constraint allows no output at all")
+        return matcher
 
     # ---- requests in and out
 
@@ -143,16 +164,17 @@ class StructuredOutputManager:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._compiling
 
-    def take_compiled(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+    def take_compiled(self) -> tuple[list[Request], list[tuple[Request, str | None]]]:
         """Requests whose grammar is ready (matcher set), and those whose grammar failed,
-        with the error, in arrival order; both leave the manager's care."""
+        in arrival order, with what was wrong with it (None: the engine failed, not the
+        grammar); both leave the manager's care."""
         ready: list[Request] = []
-        failed: list[tuple[Request, str]] = []
+        failed: list[tuple[Request, str | None]] = []
         for req_id, (request, future) in list(self._compiling.items()):
             if not future.done():
                 continue
             del self._compiling[req_id]
-            error = future.exception()
+            error = future.exception() if not future.cancelled() else GrammarError("cancelled")
             if error is None:
                 request.grammar = future.result()
                 ready.append(request)
@@ -160,7 +182,7 @@ class StructuredOutputManager:
                 failed.append((request, str(error)))
             else:  # the engine itself (or loading it) failed: the request fails, not the server
                 logger.error("structured outputs: compiling for %s failed: %r", req_id, error)
-                failed.append((request, f"structured outputs failed: {error}"))
+                failed.append((request, None))
         return ready, failed
 
     # ---- one step
@@ -183,7 +205,3 @@ class StructuredOutputManager:
         it (the mask and the matcher disagree: a bug, the request ends in an error)."""
         assert request.grammar is not None
         return request.grammar.accept(token_id)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)

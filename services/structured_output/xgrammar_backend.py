@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -70,19 +71,37 @@ def _structural_tag(spec: str) -> str | tuple[list[xgr.StructuralTagItem], list[
         return spec  # xgrammar says what is wrong with it
     if isinstance(tag, dict) and "structures" in tag:
         try:
+            structures, triggers = tag["structures"], tag["triggers"]
+            ok: bool = isinstance(structures, list) and isinstance(triggers, list)
+            ok = ok and bool(structures) and all(isinstance(t, str) and t for t in triggers)
+            ok = ok and all(
+                isinstance(s, dict) and isinstance(s.get("begin"), str)
+                and isinstance(s.get("end"), str) and isinstance(s.get("schema"), dict)
+                for s in structures
+            )  # fmt: skip
+            if not ok:
+                raise TypeError("types")
             items = [
                 xgr.StructuralTagItem(
                     begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]
                 )
-                for s in tag["structures"]
+                for s in structures
             ]
-            return items, list(tag["triggers"])
+            return items, triggers
         except (KeyError, TypeError) as e:
             raise GrammarError(
-                "Invalid structural_tag for structured outputs: each of 'structures' needs "
-                f"'begin', 'schema' and 'end', and 'triggers' a list ({e!r} missing or wrong)"
+                "Invalid structural_tag for structured outputs: 'structures' must be a list "
+                "of objects with strings 'begin' and 'end' and an object 'schema', and "
+                f"'triggers' a list of strings ({e} missing or wrong)"
             ) from None
     return spec
+
+
+def _cache_limit_bytes() -> int:
+    """The compiled grammars kept for reuse, least recently used first out: 512 MB, or
+    ``VLLM_XGRAMMAR_CACHE_MB`` (vLLM's setting); without a limit one client sending new
+    schemas would grow the scheduler without end."""
+    return int(float(os.environ.get("VLLM_XGRAMMAR_CACHE_MB", "512")) * (1 << 20))
 
 
 def _invalid(c: Constraint, e: Exception) -> GrammarError:
@@ -95,7 +114,9 @@ class XgrammarBackend:
         self.vocab_size = vocab.vocab_size
         # The compiler keeps every compiled grammar, keyed by its source: one schema used by
         # many requests compiles once.
-        self._compiler = xgr.GrammarCompiler(tokenizer_info(vocab), max_threads=max_threads)
+        self._compiler = xgr.GrammarCompiler(
+            tokenizer_info(vocab), max_threads=max_threads, cache_limit_bytes=_cache_limit_bytes()
+        )
 
     @staticmethod
     def check(c: Constraint) -> None:

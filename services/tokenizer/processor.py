@@ -5,6 +5,7 @@ Pure logic, no sockets, so it is tested directly; ``service.py`` runs it in a lo
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -24,9 +25,11 @@ from services.protocol import (
     TokenizeResult,
 )
 from services.request_log import RequestLog
-from services.structured_output.backend import check_constraint
+from services.structured_output.backend import GrammarError, check_constraint, choose_backend
 from services.structured_output.manager import constraint_of
 from services.tokenizer.chat_template import ChatTemplateError, render_chat
+
+_CHECKED_KEPT = 256  # constraints whose check is remembered
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: decoding context for the first output token.
 _PROMPT_TAIL = 5
@@ -57,12 +60,17 @@ class RequestProcessor:
         limits: RequestLimits | None = None,
         render_timer: bool = False,
         request_log: RequestLog | None = None,
-        structured_outputs_backend: str = "xgrammar",
+        structured_outputs_backend: str = "auto",
+        structured_outputs_fallback: bool = True,
         chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template or tokenizer.chat_template  # --chat-template wins
         self.structured_outputs_backend = structured_outputs_backend
+        self.structured_outputs_fallback = structured_outputs_fallback
+        # Recent constraints and what their check said (an error, or None): a request's n
+        # choices, and clients that send one schema again and again, are checked once.
+        self._checked: OrderedDict[tuple[str, str, bool], str | None] = OrderedDict()
         self.request_log = request_log  # --enable-log-requests
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()  # the chat template's time and size
@@ -146,9 +154,27 @@ class RequestProcessor:
         imported on the first constrained request."""
         try:
             params.validate()
-            check_constraint(self.structured_outputs_backend, constraint_of(params, False))
-        except ValueError as e:  # GrammarError is one
+        except ValueError as e:
             raise PromptError(str(e)) from None
+        constraint = constraint_of(params, False)
+        key = (constraint.kind, constraint.spec, constraint.any_whitespace)
+        if key in self._checked:
+            self._checked.move_to_end(key)
+            error = self._checked[key]
+        else:
+            try:
+                name = choose_backend(
+                    self.structured_outputs_backend, constraint, self.structured_outputs_fallback
+                )
+                check_constraint(name, constraint)
+                error = None
+            except GrammarError as e:
+                error = str(e)
+            self._checked[key] = error
+            if len(self._checked) > _CHECKED_KEPT:
+                self._checked.popitem(last=False)
+        if error is not None:
+            raise PromptError(error)
 
     def process(
         self, req: GenerateRequest
