@@ -493,9 +493,11 @@ def load_chat_template(value: str | None) -> str | None:
     like a template (vLLM's rule)."""
     if value is None:
         return None
-    path = Path(value)
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text(encoding="utf-8")
+    except OSError:  # a long inline template is no file name
+        pass
     if not any(mark in value for mark in ("{{", "{%")):
         raise ConfigError(f"--chat-template: {value!r} is neither a file nor a template")
     return value

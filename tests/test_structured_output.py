@@ -106,6 +106,7 @@ def test_json_object_and_whitespace(backend, tok):
     assert not matcher.accept(tok.tokenizer.token_to_id("["))
     for token in tok.encode('{"a": [1, {"b": null}], "c": "d"}', add_special_tokens=False):
         assert matcher.accept(token)
+    assert not matcher.is_terminated()  # complete, but until a stop token it is not over
     assert matcher.accept(tok.eos_token_id) and matcher.is_terminated()
     # Whitespace: after the "{", a newline may follow unless it is disabled.
     newline = tok.tokenizer.token_to_id("Ċ")  # byte-level BPE's "\n"

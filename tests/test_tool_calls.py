@@ -124,7 +124,8 @@ def test_named_call_is_the_whole_output(cuts):
 
 
 PIECES = [*'{}[]",:\\ ab<>/_|', "<tool_call>", "</tool_call>", '"name"', '"arguments"',
-          '"parameters"', "<|python_tag|>", ": ", '{"name": "f", "arguments": ']  # fmt: skip
+          '"parameters"', "<|python_tag|>", ": ", '{"name": "f", "arguments": ', "\n", "\\q",
+          "\\ud83d", '"na\\qme"']  # fmt: skip
 
 
 @settings(max_examples=300)
@@ -215,3 +216,85 @@ def test_the_hermes_chat_template_renders_tools_calls_and_results():
     assert text.endswith("<|im_start|>assistant\n")
     with pytest.raises(ConfigError, match="neither a file nor a template"):
         load_chat_template("no/such/file.jinja")
+
+
+def test_strings_the_model_gets_wrong_do_not_raise():
+    for text, name in (
+        ('[{"name": "bad\\qescape", "parameters": {}}]', "bad\\qescape"),
+        ('[{"name": "half\\ud83d", "parameters": {}}]', "half\ufffd"),
+        ('[{"note": "raw\nnewline", "name": "f", "parameters": {}}]', "f"),
+    ):
+        stream = feed_in_pieces(RequiredCalls(), text, [3, 9, 17])
+        assert [c.name for c in stream.calls] == [name]
+        json.dumps(stream.calls[0].to_json()).encode()  # a response can carry it
+
+
+def test_duplicate_and_missing_arguments():
+    stream = feed_in_pieces(HermesCalls(), '<tool_call>{"name": "f", "arguments": {"x": 1}, '
+                            '"arguments": {"y": 2}}</tool_call><tool_call>{"name": "g"}</tool_call>', [])  # fmt: skip
+    assert parsed(stream) == [("f", {"x": 1}), ("g", {})]  # the first value; none: {}
+
+
+def test_what_looks_like_calls_but_is_none_stays_content():
+    answer = '{"answer": 42, "unit": "km"}'
+    stream = feed_in_pieces(Llama3JsonCalls(), answer, [5, 11])
+    assert stream.calls == [] and "".join(stream.content) == answer
+    text = "Wrap calls in <tool_call> tags, like <tool_call>this</tool_call>. Done."
+    stream = feed_in_pieces(HermesCalls(), text, [20, 40])
+    assert stream.calls == [] and "".join(stream.content) == text
+
+
+def test_required_schema_moves_defs_up_and_fills_empty_parameters():
+    from services.structured_output.backend import Constraint, check_constraint
+
+    pydantic_like = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}},
+                     "required": ["at"], "$defs": {"Loc": {"type": "object", "properties": {
+                         "city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "go", "parameters": pydantic_like}},
+             {"type": "function", "function": {"name": "ping", "parameters": {}}}]  # fmt: skip
+    schema = required_schema(tools)
+    check_constraint("xgrammar", Constraint("json", json.dumps(schema)))
+    jsonschema.validate([{"name": "go", "parameters": {"at": {"city": "Oslo"}}},
+                         {"name": "ping", "parameters": {}}], schema)  # fmt: skip
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "go", "parameters": {"at": {}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):  # {} parameters: still an object
+        jsonschema.validate([{"name": "ping", "parameters": "not an object"}], schema)
+    other = json.loads(json.dumps(tools[0]))
+    other["function"]["name"] = "go2"
+    other["function"]["parameters"]["$defs"]["Loc"] = {"type": "string"}
+    with pytest.raises(ValueError, match="'Loc' has multiple schemas"):
+        required_schema([tools[0], other])
+
+
+def test_a_held_back_chunk_still_carries_its_token_ids():
+    import asyncio
+
+    from services.api_server import serving
+    from services.protocol import TextDelta
+
+    pieces = ["<tool", '_call>{"name": "f", "arguments": {}}', "</tool_call>"]
+
+    async def deltas():
+        for i, text in enumerate(pieces):
+            yield 0, TextDelta("r", text, token_ids=[100 + i],
+                               finish_reason="stop" if i == len(pieces) - 1 else None,
+                               prompt_token_ids=[1, 2] if i == 0 else None)  # fmt: skip
+
+    async def collect():
+        ctx = serving.ResponseContext("c", 0, "m", 1, return_token_ids=True)
+        tools = ToolCalling(None, "hermes")
+        return [c async for c in serving.chat_stream(ctx, deltas(), want_logprobs=False,
+                                                     include_usage=False, tools=tools)]  # fmt: skip
+
+    chunks = [json.loads(c[6:]) for c in asyncio.run(collect()) if c.startswith(b"data: {")]
+    ids = [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids", [])]
+    assert ids == [100, 101, 102] and any(c.get("prompt_token_ids") == [1, 2] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_long_inline_chat_template_is_no_file_name():
+    from launch.serve import load_chat_template
+
+    template = "{{ messages[0].content }}" + " " * 400
+    assert load_chat_template(template) == template

@@ -331,7 +331,7 @@ def _arguments(text: str | None) -> Any:
         return json.loads(text)
     except ValueError:
         raise ParamError(
-            "messages", f"tool call arguments must be a JSON object, got {text[:100]!r}"
+            "messages", f"tool call arguments must be JSON, got {text[:100]!r}"
         ) from None
 
 
@@ -452,10 +452,13 @@ class ChatCompletionRequest(_SamplingFields):
         if forced is None:
             return super().structured_outputs_params()
         tools = self.tool_dicts()
-        if forced == "required":
-            schema = required_schema(tools, parallel=self.parallel_tool_calls is not False)
-        else:
-            schema = named_schema(tools, forced)
+        try:
+            if forced == "required":
+                schema = required_schema(tools, parallel=self.parallel_tool_calls is not False)
+            else:
+                schema = named_schema(tools, forced)
+        except ValueError as e:
+            raise ParamError("tools", str(e)) from None
         return StructuredOutputsParams(json=json.dumps(schema))
 
     def template(self) -> str | None:

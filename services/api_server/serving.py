@@ -7,6 +7,7 @@ A request group is ``num_prompts * n`` engine requests; choice ``index`` is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ import msgspec
 from services.api_server.frontend import EngineRequestError
 from services.api_server.tool_calls import CallStart, Content, Event, ToolCalling
 from services.protocol import DecodedLogprob, DecodedPromptLogprobs, TextDelta
+
+logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -350,7 +353,7 @@ async def chat_stream(
                 message = {"content": content} if content else {}
                 if tool_calls:
                     message["tool_calls"] = tool_calls
-                if not message and finish_reason is None and not want_logprobs:
+                if not (message or finish_reason or want_logprobs or ctx.return_token_ids):
                     continue  # held back (a tag's start) or nothing to show yet
             choice: dict[str, Any] = {
                 "index": index,
@@ -370,6 +373,9 @@ async def chat_stream(
             yield sse({**_chunk(ctx, obj, []), "usage": usage(ctx, states)})
     except EngineRequestError as e:
         yield sse(error_body(e.status, e.message, e.error_type, e.param))
+    except Exception as e:  # a bug here must end the stream in an error, not cut it
+        logger.exception("chat stream %s failed", ctx.id)
+        yield sse(error_body(500, f"the server failed: {type(e).__name__}", "InternalServerError"))
     yield DONE
 
 

@@ -21,6 +21,7 @@ same events and always agree. Arguments are the model's own JSON text, not re-se
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,23 +99,34 @@ class CallStream:
 class _ObjectScanner:
     """Follows a stream of JSON objects ``{"name": "...", "arguments" | "parameters": {...}}``
     character by character: reports each call's name once its string is complete, and the
-    raw text of its arguments value as it streams. Anything between objects is passed to
-    ``between`` (the caller decides: separators, content, or nothing)."""
+    raw text of its arguments value as it streams (the first such value; a call with none
+    gets ``{}``). Anything between objects is passed to ``between`` (the caller decides:
+    separators, content, or nothing). Text that is not JSON never raises."""
 
     _ARGUMENT_KEYS = ("arguments", "parameters")
 
-    def __init__(self, first_index: int = 0) -> None:
-        self.index = first_index - 1
+    def __init__(self) -> None:
+        self.index = -1  # the last call started
         self.depth = 0
         self.in_string = False
         self.escape = False
+        self._start_object()
+        self.depth = 0
+
+    def _start_object(self) -> None:
         self.key: str | None = None  # the key whose value is being read, at depth 1
+        self.depth, self.expect_key = 1, True
+        self.in_string = self.escape = False
         self.token: list[str] = []  # a key or the name being read
-        self.expect_key = False
         self.in_value = False  # inside the arguments value
+        self.arguments_done = False  # an arguments value was read (later ones are ignored)
+        self.arguments_started = False
         self.name: str | None = None
         self.pending_arguments: list[str] = []  # read before the name
-        self.done_object = False
+
+    def reset(self) -> None:
+        """Drop a partly read object (its text ended early); call indexes go on."""
+        self.depth, self.in_string, self.escape, self.in_value = 0, False, False, False
 
     def _string_char(self, ch: str) -> bool:
         """Track strings; True while ``ch`` is inside one (or closes it)."""
@@ -143,16 +155,12 @@ class _ObjectScanner:
             events += self._object_char(ch)
         return events
 
-    def _start_object(self) -> None:
-        self.depth, self.expect_key, self.key = 1, True, None
-        self.name, self.pending_arguments, self.in_value = None, [], False
-
     def _object_char(self, ch: str) -> list[Event]:
         was_string = self.in_string
         quoted = self._string_char(ch)
         if self.in_value:  # the arguments value: every character of it goes out
             if not quoted and self.depth == 1 and ch in ",}":  # it ended; ch is the object's
-                self.in_value = False
+                self.in_value, self.arguments_done = False, True
                 if ch == "}":
                     return self._end_object()
                 self.expect_key = True
@@ -160,14 +168,14 @@ class _ObjectScanner:
             self._nest(ch, quoted)
             events = self._arguments(ch)
             if self.depth == 1 and not quoted and ch in "}]":  # its object or array closed
-                self.in_value = False
+                self.in_value, self.arguments_done = False, True
             return events
         if self.depth > 1:  # another key's nested value: skipped
             self._nest(ch, quoted)
             return []
         if quoted:  # depth 1: a key, or the name's value
             if was_string and not self.in_string:  # the string just closed
-                word = json.loads('"' + "".join(self.token) + '"')
+                word = _json_string("".join(self.token))
                 self.token = []
                 if self.expect_key:
                     self.key, self.expect_key = word, False
@@ -177,7 +185,7 @@ class _ObjectScanner:
             elif was_string:
                 self.token.append(ch)
             return []
-        if ch == ":" and self.key in self._ARGUMENT_KEYS:
+        if ch == ":" and self.key in self._ARGUMENT_KEYS and not self.arguments_done:
             self.in_value = True
         elif ch == ",":
             self.expect_key = True
@@ -194,21 +202,14 @@ class _ObjectScanner:
             elif ch in "}]":
                 self.depth -= 1
 
-    def reset(self) -> None:
-        """Drop a partly read object (its text ended early); call indexes go on."""
-        self.depth, self.in_string, self.escape, self.in_value = 0, False, False, False
-        self.token, self._no_arguments_yet = [], True
-
     def _arguments(self, ch: str) -> list[Event]:
-        if not self.pending_arguments and ch.isspace() and self._no_arguments_yet:
+        if not self.arguments_started and ch.isspace():
             return []  # whitespace before the value starts
-        self._no_arguments_yet = False
+        self.arguments_started = True
         if self.name is None:
             self.pending_arguments.append(ch)
             return []
         return [CallArguments(self.index, ch)]
-
-    _no_arguments_yet = True
 
     def _named(self) -> list[Event]:
         assert self.name is not None
@@ -221,9 +222,22 @@ class _ObjectScanner:
 
     def _end_object(self) -> list[Event]:
         self.depth = 0
-        self._no_arguments_yet = True
-        self.done_object = True
+        if self.name is not None and not self.arguments_started:
+            return [CallArguments(self.index, "{}")]  # a call without arguments
         return []
+
+
+def _json_string(raw: str) -> str:
+    """A JSON string's body decoded, as well as it goes (the model may write anything):
+    invalid escapes stay as written, lone surrogates become U+FFFD."""
+    try:
+        text = json.loads('"' + raw + '"', strict=False)
+    except ValueError:
+        text = raw
+    return _SURROGATE.sub("\ufffd", str(text))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _merge(events: list[Event]) -> list[Event]:
@@ -277,7 +291,9 @@ class RequiredCalls(CallStream):
 
 
 class HermesCalls(CallStream):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, content around it."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: content is the text
+    before the first call (vLLM's); a tagged region with no call in it is content too,
+    shown once the region ends (held back until then)."""
 
     START, END = "<tool_call>", "</tool_call>"
 
@@ -286,7 +302,9 @@ class HermesCalls(CallStream):
         self.scanner = _ObjectScanner()
         self.held = ""  # text that may be the start of a tag
         self.inside = False
-        self.seen_call = False
+        self.region: list[str] = []  # the raw text of the tagged region being read
+        self.region_calls = 0  # calls started in it
+        self.found = False  # a call started anywhere
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
@@ -303,24 +321,42 @@ class HermesCalls(CallStream):
             events += self._body(text[:at])
             text = text[at + len(tag) :]
             if self.inside:
-                self.scanner.reset()  # a call cut short by its end tag is dropped
+                events += self._end_region(closed=True)
+            else:
+                self.region, self.region_calls = [], 0
             self.inside = not self.inside
         return self.record(_merge(events))
 
     def _body(self, text: str) -> list[Event]:
-        if not self.inside:  # content is what comes before the first call (as vLLM)
-            return [Content(text)] if text and not self.seen_call else []
-        self.seen_call = True
-        return self.scanner.feed(text, lambda ch: [])
+        if not self.inside:
+            return [Content(text)] if text and not self.found else []
+        self.region.append(text)
+        events = self.scanner.feed(text, lambda ch: [])
+        self.region_calls += sum(isinstance(e, CallStart) for e in events)
+        self.found = self.found or self.region_calls > 0
+        return events
+
+    def _end_region(self, closed: bool) -> list[Event]:
+        """A tagged region ended: with no call in it, its text is content (before any call;
+        after one, like any text there, dropped). A call cut short stays as far as it went
+        (its deltas are out): its arguments are not valid JSON."""
+        self.scanner.reset()
+        if self.found:
+            return []
+        return [Content(self.START + "".join(self.region) + (self.END if closed else ""))]
 
     def finish(self) -> list[Event]:
         held, self.held = self.held, ""
-        return self.record(self._body(held) if held and not self.inside else [])
+        if self.inside:
+            self.region.append(held)
+            return self.record(self._end_region(closed=False))
+        return self.record([Content(held)] if held and not self.found else [])
 
 
 class Llama3JsonCalls(CallStream):
     """Llama 3's JSON tool calls: the output is ``{"name": ..., "parameters": {...}}``
-    objects (after an optional ``<|python_tag|>``, separated by ``;``), or plain content."""
+    objects (after an optional ``<|python_tag|>``, separated by ``;``), or plain content.
+    Output that looks like calls but has none (a JSON answer) is content, at the end."""
 
     TAG = "<|python_tag|>"
 
@@ -328,11 +364,13 @@ class Llama3JsonCalls(CallStream):
         super().__init__()
         self.scanner = _ObjectScanner()
         self.mode: str | None = None  # "calls" or "content", once the output shows which
-        self.head = ""
+        self.head = ""  # all the text, while it may still be content
 
     def feed(self, text: str) -> list[Event]:
+        if self.mode == "content":
+            return self.record([Content(text)] if text else [])
+        self.head += text
         if self.mode is None:
-            self.head += text
             stripped = self.head.lstrip()
             if not stripped or (self.TAG.startswith(stripped) and stripped != self.TAG):
                 return []
@@ -341,14 +379,12 @@ class Llama3JsonCalls(CallStream):
             elif stripped.startswith("{"):
                 self.mode, text = "calls", stripped
             else:
-                self.mode, text = "content", self.head
-        if self.mode == "content":
-            return self.record([Content(text)] if text else [])
+                self.mode = "content"
+                return self.record([Content(self.head)])
         return self.record(_merge(self.scanner.feed(text, lambda ch: [])))
 
     def finish(self) -> list[Event]:
-        if self.mode is None and self.head:
-            self.mode = "content"
+        if self.mode != "content" and self.head and not self.calls:
             return self.record([Content(self.head)])
         return []
 
@@ -375,9 +411,9 @@ def function_names(tools: list[dict[str, Any]]) -> list[str]:
 
 
 def parameters_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    """A function's ``parameters`` (an object with no properties when it has none)."""
+    """A function's ``parameters``; none (or ``{}``) is an object with no properties."""
     params = tool["function"].get("parameters")
-    return params if params is not None else {"type": "object", "properties": {}}
+    return params if params else {"type": "object", "properties": {}}
 
 
 def named_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -388,25 +424,32 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
     """One or more calls of the given functions, each ``{"name", "parameters"}`` with that
     function's parameters (vLLM's schema for ``tool_choice: "required"``); exactly one
     without ``parallel`` (``parallel_tool_calls: false``, which vLLM only applies by
-    dropping the calls after the first)."""
-    return {
+    dropping the calls after the first). The functions' ``$defs`` move to the top, where
+    their ``#/$defs/...`` references point; ``ValueError`` if two define one differently."""
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        params = dict(parameters_schema(tool))
+        for name, definition in (params.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise ValueError(
+                    f"Tool definition '{name}' has multiple schemas, which is not supported."
+                )
+        items.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                           "parameters": params},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
         **({} if parallel else {"maxItems": 1}),
-        "items": {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "enum": [t["function"]["name"]]},
-                        "parameters": parameters_schema(t),
-                    },
-                    "required": ["name", "parameters"],
-                }
-                for t in tools
-            ]
-        },
+        "items": {"anyOf": items},
     }
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ def _grammar(c: Constraint) -> str:
         schema = c.spec if c.kind == "json" else '{"type": "object"}'
         try:
             json.loads(schema)
-        except ValueError as e:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+        except ValueError as e:  # not JSON, or not a schema llguidance takes (a list, ...)
             raise GrammarError(f"Invalid json for structured outputs: {e}") from None
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
     if c.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(c.spec)
     if c.kind == "choice":
@@ -47,10 +47,14 @@ class GuidanceMatcher:
     def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: tuple[int, ...]) -> None:
         self._matcher = matcher
         self._stop = stop_token_ids
+        self._terminated = False
 
     def accept(self, token_id: int) -> bool:
         if self._matcher.is_stopped():  # complete: only a stop token (which validate refuses)
-            return token_id in self._stop and self._matcher.consume_token(token_id)
+            if token_id in self._stop and self._matcher.consume_token(token_id):
+                self._terminated = True
+                return True
+            return False
         # Checked first: a refused token would leave llguidance's matcher in its error state.
         if self._matcher.validate_tokens([token_id]) < 1:
             return False
@@ -63,8 +67,9 @@ class GuidanceMatcher:
         self._matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
-        """Complete: nothing but EOS could follow (llguidance stops there)."""
-        return self._matcher.is_stopped() and not self._matcher.is_error()
+        """Complete and a stop token accepted (as xgrammar's: llguidance itself stops one
+        token earlier, when only a stop token may follow)."""
+        return self._terminated
 
 
 @register_backend("guidance")
