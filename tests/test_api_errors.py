@@ -445,6 +445,7 @@ def _chat_body(request_id: str) -> dict:
 def test_tools_shown_only_and_text_format_are_accepted(http):
     for body in (
         _chat(tools=[_TOOL], tool_choice="none"),
+        _chat(tools=[_TOOL], tool_choice=None),  # an explicit null is "none" (vLLM)
         _chat(response_format={"type": "text"}),
     ):
         r = http.post("/v1/chat/completions", json=body)

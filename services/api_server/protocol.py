@@ -386,8 +386,9 @@ class ChatCompletionRequest(_SamplingFields):
                 "the field entirely.",
             )
         choice = self.tool_choice
-        if choice is None:
-            choice = self.tool_choice = "auto" if self.tools else "none"
+        if choice is None:  # left out: "auto" with tools (vLLM's); an explicit null: "none"
+            given = "tool_choice" in self.model_fields_set
+            choice = self.tool_choice = "auto" if self.tools and not given else "none"
         if choice == "none":
             return
         if not self.tools:
