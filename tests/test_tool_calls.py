@@ -298,3 +298,33 @@ def test_a_long_inline_chat_template_is_no_file_name():
 
     template = "{{ messages[0].content }}" + " " * 400
     assert load_chat_template(template) == template
+
+
+def test_a_models_tool_use_template_is_chosen_when_tools_come(tmp_path):
+    """HF's named templates (a list in tokenizer_config.json, or llama.cpp's
+    tokenizer.chat_template.NAME in a GGUF): "tool_use" renders conversations with tools."""
+    import shutil
+
+    from services.model_loader.gguf_tokenizer import _chat_templates
+    from services.model_loader.resolve import prepare_model
+    from services.model_loader.tokenizer import load_tokenizer
+    from services.tokenizer.processor import RequestProcessor
+
+    folder = prepare_model(None)
+    shutil.copy(folder / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "plain: {{ messages[0]['content'] }}"},
+        {
+            "name": "tool_use",
+            "template": "tools: {{ tools | length }} {{ messages[0]['content'] }}",
+        },
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    processor = RequestProcessor(load_tokenizer(tmp_path), 2048)
+    messages = [{"role": "user", "content": "hi"}]
+    assert processor.render(messages, None, True, {}) == "plain: hi"
+    assert processor.render(messages, None, True, {"tools": [{}, {}]}) == "tools: 2 hi"
+    assert _chat_templates({"tokenizer.chat_template": "d", "tokenizer.chat_template.tool_use": "t"}) == [
+        {"name": "default", "template": "d"}, {"name": "tool_use", "template": "t"}]  # fmt: skip
+    assert _chat_templates({"tokenizer.chat_template": "d"}) == "d"

@@ -165,9 +165,24 @@ def build_tokenizer_files(meta: dict[str, Any], model_max_length: int) -> dict[s
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "model_max_length": model_max_length,
-        "chat_template": meta.get("tokenizer.chat_template"),
+        "chat_template": _chat_templates(meta),
     }
     return {
         "tokenizer.json": tokenizer.to_str(pretty=False),
         "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
     }
+
+
+def _chat_templates(meta: dict[str, Any]) -> str | list[dict[str, str]] | None:
+    """The GGUF's chat template; with named ones (llama.cpp's ``tokenizer.chat_template.NAME``,
+    e.g. ``tool_use``) HF's list form, the plain one as "default"."""
+    default = meta.get("tokenizer.chat_template")
+    prefix = "tokenizer.chat_template."
+    named = {
+        k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix) and isinstance(v, str)
+    }
+    if not named:
+        return default
+    if isinstance(default, str):
+        named = {"default": default, **named}
+    return [{"name": name, "template": template} for name, template in named.items()]

@@ -28,6 +28,14 @@ class TokenizerInfo:
     eos_token_id: int | None
     add_bos_token: bool
     all_special_ids: set[int] = field(default_factory=set)
+    # Named templates besides the default (HF's list form), e.g. "tool_use": chosen, as HF
+    # and vLLM choose it, for a conversation that comes with tools
+    named_chat_templates: dict[str, str] = field(default_factory=dict)
+
+    def chat_template_for(self, tools: bool) -> str | None:
+        if tools and "tool_use" in self.named_chat_templates:
+            return self.named_chat_templates["tool_use"]
+        return self.chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The batch path without offsets: the same ids, ~15 % faster, and it lets go of the
@@ -65,6 +73,18 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _named_chat_templates(cfg: dict[str, Any]) -> dict[str, str]:
+    template = cfg.get("chat_template")
+    if not isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        return {}
+    return {
+        t["name"]: t["template"]
+        for t in template
+        if isinstance(t, dict) and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+    }  # fmt: skip
 
 
 def _chat_template(folder: Path, cfg: dict[str, Any]) -> str | None:
@@ -107,4 +127,5 @@ def load_tokenizer(folder: Path) -> TokenizerInfo:
         eos_token_id=eos_id,
         add_bos_token=bool(cfg.get("add_bos_token", False)),
         all_special_ids=special,
+        named_chat_templates=_named_chat_templates(cfg),
     )

@@ -65,7 +65,7 @@ class RequestProcessor:
         chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.chat_template = chat_template or tokenizer.chat_template  # --chat-template wins
+        self.chat_template = chat_template  # --chat-template: instead of the model's
         self.structured_outputs_backend = structured_outputs_backend
         self.structured_outputs_fallback = structured_outputs_fallback
         # Recent constraints and what their check said (an error, or None): a request's n
@@ -86,7 +86,10 @@ class RequestProcessor:
         add_generation_prompt: bool,
         kwargs: dict[str, object],
     ) -> str:
-        template = template or self.chat_template
+        if template is None:  # --chat-template, else the model's (its tool_use one with tools)
+            template = self.chat_template or self.tokenizer.chat_template_for(
+                bool(kwargs.get("tools"))
+            )
         if not template:
             raise PromptError(
                 "As of transformers v4.44, default chat template is no longer allowed, so you "
