@@ -107,11 +107,8 @@ class _ObjectScanner:
 
     def __init__(self) -> None:
         self.index = -1  # the last call started
-        self.depth = 0
-        self.in_string = False
-        self.escape = False
         self._start_object()
-        self.depth = 0
+        self.depth = 0  # outside any object until a "{"
 
     def _start_object(self) -> None:
         self.key: str | None = None  # the key whose value is being read, at depth 1
