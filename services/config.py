@@ -158,7 +158,8 @@ class SchedulerConfig:
         default=None,
         metadata=flag(
             'structured outputs, vLLM\'s JSON: {"backend": "auto"|"xgrammar"|"guidance", '
-            '"disable_any_whitespace": false} (default: xgrammar)'
+            '"disable_any_whitespace": false, "disable_fallback": false} (default: auto: '
+            "xgrammar, guidance for schemas xgrammar does not enforce)"
         ),
     )
 

@@ -106,8 +106,7 @@ class LLM:
         self.processor = RequestProcessor(
             self.tokenizer,
             max_len,
-            structured_outputs_backend=self.config.scheduler.structured_outputs.backend,
-            structured_outputs_fallback=not self.config.scheduler.structured_outputs.disable_fallback,
+            structured_outputs=self.config.scheduler.structured_outputs,
         )
         self._ranks: LocalWorkerRanks | None = None
         executor: Executor
@@ -118,15 +117,12 @@ class LLM:
 
             self._ranks = LocalWorkerRanks(self.config, folder)
             executor = self._ranks.executor
-        structured = self.config.scheduler.structured_outputs
         self.core = EngineCore(
             self.config,
             executor,
             structured_output=StructuredOutputManager(  # compiles in add_request: errors raise
-                structured.backend,
+                self.config.scheduler.structured_outputs,
                 lambda: vocab_info(self.tokenizer, arch.vocab_size),
-                disable_any_whitespace=structured.disable_any_whitespace,
-                disable_fallback=structured.disable_fallback,
                 synchronous=True,
             ),
         )

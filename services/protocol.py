@@ -65,12 +65,7 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
                 f"specified: {', '.join(kinds)}",
                 "structured_outputs",
             )
-        if not kinds:
-            raise InvalidParam(
-                "You must use one kind of structured outputs constraint but none are specified",
-                "structured_outputs",
-            )
-        if kinds == ["json_object"] and not self.json_object:
+        if not kinds or (kinds == ["json_object"] and not self.json_object):
             raise InvalidParam(
                 "You must use one kind of structured outputs constraint but none are specified",
                 "structured_outputs",

@@ -14,6 +14,7 @@ from collections import deque
 import numpy as np
 import pytest
 
+from services.config import StructuredOutputsConfig
 from services.protocol import SamplingParams, StepPlan, StructuredOutputsParams
 from services.scheduler.request import Request, RequestStatus
 from services.structured_output.backend import (
@@ -111,8 +112,11 @@ def constrained(req_id: str, prompt: int | list[int], spec: str, **kw) -> Reques
 
 def setup(synchronous: bool = False, wake=None, **kw):
     manager = StructuredOutputManager(
-        "fake", lambda: VocabInfo(None, VOCAB, (EOS,)), wake=wake, synchronous=synchronous
-    )  # type: ignore[arg-type]
+        StructuredOutputsConfig(backend="fake"),
+        lambda: VocabInfo(None, VOCAB, (EOS,)),  # type: ignore[arg-type]
+        wake=wake,
+        synchronous=synchronous,
+    )
     sched, _ = make_scheduler(**kw)
     sched.structured_output = manager
     return sched, GrammarWorker(kw.get("num_blocks", 64), kw.get("block_size", 4))

@@ -328,3 +328,12 @@ def test_a_models_tool_use_template_is_chosen_when_tools_come(tmp_path):
     assert _chat_templates({"tokenizer.chat_template": "d", "tokenizer.chat_template.tool_use": "t"}) == [
         {"name": "default", "template": "d"}, {"name": "tool_use", "template": "t"}]  # fmt: skip
     assert _chat_templates({"tokenizer.chat_template": "d"}) == "d"
+
+
+def test_only_a_parser_that_needs_its_tags_keeps_special_tokens():
+    from services.protocol import SamplingParams
+
+    params = SamplingParams()
+    assert not ToolCalling(None, "hermes").sampling(params).skip_special_tokens
+    assert ToolCalling(None, "llama3_json").sampling(params).skip_special_tokens
+    assert ToolCalling("required", "hermes").sampling(params).skip_special_tokens  # no parsing

@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -261,10 +260,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             tools = ToolCalling(
                 req.forced_tool, settings.tool_call_parser, req.parallel_tool_calls is not False
             )
-            if (
-                tools.forced is None and tools.parser == "hermes"
-            ):  # vLLM's: its tags stay in the text
-                sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
+            sampling = tools.sampling(sampling)
         check_admission()
         response_id, base_id = response_ids(request, "chatcmpl", req.request_id)
         ctx = serving.ResponseContext(

@@ -25,7 +25,11 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+import msgspec
+
+from services.protocol import SamplingParams
 
 
 def tool_call_id() -> str:
@@ -71,6 +75,9 @@ class ToolCall:
 @dataclass
 class CallStream:
     """The events of one choice's text; ``calls`` and ``content`` accumulate them."""
+
+    # False where the format's tags may be special tokens that must stay in the text
+    skip_special_tokens: ClassVar[bool] = True
 
     calls: list[ToolCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
@@ -293,6 +300,7 @@ class HermesCalls(CallStream):
     shown once the region ends (held back until then)."""
 
     START, END = "<tool_call>", "</tool_call>"
+    skip_special_tokens = False  # vLLM's: some tokenizers make the tags special tokens
 
     def __init__(self) -> None:
         super().__init__()
@@ -394,7 +402,7 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-TOOL_CALL_PARSERS: dict[str, Callable[[], CallStream]] = {
+TOOL_CALL_PARSERS: dict[str, type[CallStream]] = {
     "hermes": HermesCalls,
     "llama3_json": Llama3JsonCalls,
 }
@@ -457,6 +465,13 @@ class ToolCalling:
     forced: str | None
     parser: str | None
     parallel: bool = True
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """The request's sampling as its parser needs it (special tokens kept for hermes)."""
+        parser = TOOL_CALL_PARSERS[self.parser] if self.forced is None and self.parser else None
+        if parser is not None and not parser.skip_special_tokens:
+            return msgspec.structs.replace(params, skip_special_tokens=False)
+        return params
 
     def stream(self) -> CallStream:
         if self.forced == "required":

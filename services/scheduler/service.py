@@ -62,16 +62,13 @@ class EngineCoreProc:
             kv_block_bytes=config.kv_block_bytes,
         )
         self._inputs: queue.SimpleQueue[EngineCoreInput | None] = queue.SimpleQueue()
-        structured = engine.scheduler.structured_outputs
         self.core = EngineCore(
             engine,
             self.executor,
             enable_kv_cache_events=ep.kv_events is not None or data_parallel,
             structured_output=StructuredOutputManager(
-                structured.backend,
+                engine.scheduler.structured_outputs,
                 vocab_from_folder(config.model_folder),
-                disable_any_whitespace=structured.disable_any_whitespace,
-                disable_fallback=structured.disable_fallback,
                 wake=lambda: self._inputs.put(None),  # a grammar compiled: step again
             ),
         )

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.config import StructuredOutputsConfig
 from services.protocol import StructuredOutputsParams
 from services.structured_output.backend import (
     Constraint,
@@ -83,17 +84,13 @@ class StructuredOutputManager:
 
     def __init__(
         self,
-        backend: str,
+        config: StructuredOutputsConfig,
         vocab: Callable[[], VocabInfo],
         *,
-        disable_any_whitespace: bool = False,
-        disable_fallback: bool = False,
         wake: Callable[[], None] | None = None,
         synchronous: bool = False,
     ) -> None:
-        self.backend = backend  # "auto" picks per constraint (choose_backend)
-        self.disable_any_whitespace = disable_any_whitespace
-        self.fallback = not disable_fallback
+        self.config = config  # backend "auto" picks per constraint (choose_backend)
         self._vocab = vocab
         self._vocab_info: VocabInfo | None = None
         self._backends: dict[str, GrammarBackend] = {}
@@ -125,7 +122,7 @@ class StructuredOutputManager:
     def _compile(self, constraint: Constraint) -> Matcher:
         """The constraint's matcher, from the backend that takes it; ``GrammarError`` also
         for a grammar that allows nothing at all (it could only fail the request later)."""
-        name = choose_backend(self.backend, constraint, self.fallback)
+        name = choose_backend(self.config.backend, constraint, not self.config.disable_fallback)
         matcher = self._get_backend(name).matcher(constraint)
         row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
         matcher.fill(row, 0)
@@ -140,7 +137,7 @@ class StructuredOutputManager:
         (synchronous); ``GrammarError`` then if the grammar is bad."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        constraint = constraint_of(params, self.disable_any_whitespace)
+        constraint = constraint_of(params, self.config.disable_any_whitespace)
         if self._pool is None:
             request.grammar = self._compile(constraint)
             return True
@@ -174,7 +171,7 @@ class StructuredOutputManager:
             if not future.done():
                 continue
             del self._compiling[req_id]
-            error = future.exception() if not future.cancelled() else GrammarError("cancelled")
+            error = future.exception()  # never cancelled here: discard() takes those out
             if error is None:
                 request.grammar = future.result()
                 ready.append(request)

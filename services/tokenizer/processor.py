@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import msgspec
 
-from services.config import RequestLimits
+from services.config import RequestLimits, StructuredOutputsConfig
 from services.model_loader import TokenizerInfo
 from services.protocol import (
     DetokenizeRequest,
@@ -60,14 +60,12 @@ class RequestProcessor:
         limits: RequestLimits | None = None,
         render_timer: bool = False,
         request_log: RequestLog | None = None,
-        structured_outputs_backend: str = "auto",
-        structured_outputs_fallback: bool = True,
+        structured_outputs: StructuredOutputsConfig | None = None,
         chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # --chat-template: instead of the model's
-        self.structured_outputs_backend = structured_outputs_backend
-        self.structured_outputs_fallback = structured_outputs_fallback
+        self.structured_outputs = structured_outputs or StructuredOutputsConfig()
         # Recent constraints and what their check said (an error, or None): a request's n
         # choices, and clients that send one schema again and again, are checked once.
         self._checked: OrderedDict[tuple[str, str, bool], str | None] = OrderedDict()
@@ -166,9 +164,8 @@ class RequestProcessor:
             error = self._checked[key]
         else:
             try:
-                name = choose_backend(
-                    self.structured_outputs_backend, constraint, self.structured_outputs_fallback
-                )
+                config = self.structured_outputs
+                name = choose_backend(config.backend, constraint, not config.disable_fallback)
                 check_constraint(name, constraint)
                 error = None
             except GrammarError as e:

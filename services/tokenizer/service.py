@@ -190,8 +190,7 @@ def run_tokenizer_process(config: ServeConfig, control_endpoint: str) -> None:
         config.limits,
         render_timer=True,
         request_log=RequestLog(config.max_log_len) if config.enable_log_requests else None,
-        structured_outputs_backend=config.engine.scheduler.structured_outputs.backend,
-        structured_outputs_fallback=not config.engine.scheduler.structured_outputs.disable_fallback,
+        structured_outputs=config.engine.scheduler.structured_outputs,
         chat_template=config.chat_template,
     )
     _limit_memory(_TEMPLATE_MEMORY_BYTES)
