@@ -13,6 +13,7 @@ installs the peers):
 - ``ours``: ``actorserve serve`` (a GGUF model on CPU runs from its quantized blocks);
 - ``ours-fp32``: the same with ``--quantization none`` (every weight expanded to fp32);
 - ``ours-int8``: the same with ``--cpu-activation-quant int8`` (llama.cpp's trade, not exact);
+- ``ours-bf16``: the same with ``--dtype bfloat16`` (vLLM's CPU default; not exact);
 - ``llama``: ``llama-server`` on the same GGUF file, 16 slots, 2 threads;
 - ``vllm-bf16`` / ``vllm-fp32``: ``vllm serve`` on the converted HF folder.
 
@@ -74,6 +75,7 @@ def servers(peers: Path) -> list[Server]:
         Server("ours", ours, {}, 300),
         Server("ours-fp32", [*ours, "--quantization", "none"], {}, 300),
         Server("ours-int8", [*ours, "--cpu-activation-quant", "int8"], {}, 300),
+        Server("ours-bf16", [*ours, "--dtype", "bfloat16"], {}, 300),
     ]
     if (peers / "llama-server").exists():
         found.append(Server("llama", [str(peers / "llama-server"), "-m", gguf, "--host", "127.0.0.1",

@@ -13,11 +13,14 @@ the default model (or ``--model``) this runs the offline engine and measures:
 
 Configurations (``--configs``): ``fp32`` (every weight expanded to fp32: the reference the
 tests hold HF transformers to), ``gguf`` (fp32 activations over the GGUF's quantized blocks:
-the default on CPU), ``bf16`` (``--dtype bfloat16``), ``int8`` (``--cpu-activation-quant int8``:
-activations rounded to int8 per block of 32, AVX-512 VNNI). bf16 runs on any CPU, fast only
-where it has AVX512_BF16 (the measurement is about accuracy here, not speed).
+the default on CPU), ``bf16`` (``--dtype bfloat16``: bf16 activations and KV cache over the
+same quantized blocks; few-row products exact then rounded, prefill GEMMs over W rounded to
+bf16), ``bf16-dense`` (``--dtype bfloat16 --quantization none``: every weight rounded to
+bf16, as vLLM runs a bf16 model), ``int8`` (``--cpu-activation-quant int8``: activations
+rounded to int8 per block of 32, AVX-512 VNNI). bf16 runs on any CPU, fast only where it has
+AVX512_BF16 (the measurement is about accuracy here, not speed).
 
-    .venv/bin/python -m bench.perplexity [--configs fp32 gguf bf16 int8] [--window 512]
+    .venv/bin/python -m bench.perplexity [--configs fp32 gguf bf16 bf16-dense int8] [--window 512]
 
 Writes ``bench/results/perplexity.json`` and prints a table.
 """
@@ -40,6 +43,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {"quantization": "none"},
     "gguf": {"quantization": "gguf"},
     "bf16": {"dtype": "bfloat16"},
+    "bf16-dense": {"dtype": "bfloat16", "quantization": "none"},
     "int8": {"quantization": "gguf", "cpu_activation_quant": "int8"},
 }
 

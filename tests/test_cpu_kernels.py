@@ -252,6 +252,32 @@ def test_quant_linear_matches_dequantize_then_matmul(qtype: str, rows: int, n: i
 
 
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_quant_linear_bf16(qtype: str, rows: int) -> None:
+    """bf16 x (a --dtype bfloat16 model): a few rows are the fp32 product of x widened,
+    rounded to bf16; from 64 rows W is expanded to bf16 for a bf16 GEMM, close to torch's
+    own bf16 matmul over the dequantized weights and to the float64 product."""
+    seed = secrets.randbits(32)
+    n, k = 200, _k(qtype, 576)
+    blocks, dequantized = _random_blocks(qtype, n, k, seed)
+    packed = quant_pack(torch.from_numpy(blocks), QUANT_TYPES[qtype], k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    out = quant_linear(x, packed, QUANT_TYPES[qtype], n)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    w = torch.from_numpy(dequantized)
+    ref = x.double() @ w.double().T
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < 1e-2, f"{qtype}: relative error {err:.2e} (seed {seed})"
+    if rows < 64:
+        widened = quant_linear(x.float(), packed, QUANT_TYPES[qtype], n)
+        assert torch.equal(out, widened.bfloat16()), f"seed {seed}"
+    else:
+        theirs = (x @ w.bfloat16().T).double()
+        err = float((out.double() - theirs).norm() / theirs.norm())
+        assert err < 5e-3, f"{qtype}: {err:.2e} from torch's bf16 matmul (seed {seed})"
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_quant_dequant_rows_equals_gguf_dequantizer(qtype: str) -> None:
     """Embedding lookups from the packed layout are bit-equal to gguf's dequantized rows."""
     seed = secrets.randbits(32)
@@ -325,6 +351,14 @@ def test_quant_ops_reject_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match="2-D x and out"):
         torch.ops.actorserve_cpu.quant_linear(
             torch.empty(2, 8, 2), torch.randn(2, 32), packed, 3, 8
+        )
+    with pytest.raises(RuntimeError, match="fp32 or bf16 x, and out of the same dtype"):
+        torch.ops.actorserve_cpu.quant_linear(
+            torch.empty(2, 8), torch.randn(2, 32).half(), packed, 3, 8
+        )
+    with pytest.raises(RuntimeError, match="fp32 or bf16 x, and out of the same dtype"):
+        torch.ops.actorserve_cpu.quant_linear(
+            torch.empty(2, 8), torch.randn(2, 32).bfloat16(), packed, 3, 8
         )
 
 

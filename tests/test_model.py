@@ -36,10 +36,12 @@ def naive_attention(
     return out
 
 
-def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+def make_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=torch.float32
+):
     # NaN-filled: a backend that reads a slot it should not shows up as NaN.
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.full(shape, math.nan), torch.full(shape, math.nan)
+    return torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -133,8 +135,9 @@ def _our_logits(
     """Full-prompt prefill logits through a fresh paged cache."""
     arch = model.arch
     num_blocks = -(-len(token_ids) // block_size)
+    dtype = model.model.norm.weight.dtype
     kv_caches = [
-        make_kv_cache(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+        make_kv_cache(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim, dtype)
         for _ in range(arch.num_hidden_layers)
     ]
     meta, _, positions = build_attention_metadata(

@@ -31,16 +31,19 @@ from tests.test_model_loader import _random_k_blocks
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="the C++ CPU kernels did not build")
 
 
-def _load(folder: Path, quantized: bool, int8: bool = False) -> LlamaForCausalLM:
+def _load(
+    folder: Path, quantized: bool, int8: bool = False, dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(ModelArchConfig.from_hf_config(cfg), TorchAttentionBackend).eval()
+    model = model.to(dtype)
     model.int8_activations = int8
     source = gguf_source(folder)
     assert source is not None
     if quantized:
-        model.load_weights(iter_gguf_weights(source, cfg, torch.float32, QUANT_TYPES.values()))
+        model.load_weights(iter_gguf_weights(source, cfg, dtype, QUANT_TYPES.values()))
     else:
-        model.load_weights(iter_weights(folder, torch.float32))
+        model.load_weights(iter_weights(folder, dtype))
     return model
 
 
@@ -233,11 +236,11 @@ def test_gguf_blocks_narrow(qtype: Q) -> None:
     assert blocks.narrow(1, size // 2, size) is None  # cuts a block: the loader expands it
 
 
-@pytest.mark.parametrize("model_kind", ["default", "default-int8", "k-quants"])
+@pytest.mark.parametrize("model_kind", ["default", "default-int8", "default-bf16", "k-quants"])
 def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path) -> None:
     """A decode-only step through ``decode_layers`` (one C++ call for every layer) gives the
     Python layers' logits and cache contents bit for bit: the same kernels in the same order,
-    for the default model (Q4_1, with fp32 or int8 activations) and a Q4_K/Q6_K one."""
+    for the default model (Q4_1, with fp32, int8 or bf16 activations) and a Q4_K/Q6_K one."""
     from services.gpu_worker.model_runner import build_attention_metadata
     from tests.test_model import make_kv_cache
 
@@ -248,11 +251,12 @@ def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path
     else:
         # fused q/k/v of one type
         folder = _prepared(tmp_path, lambda path: _tiny_k_quant_gguf(path, q6k_v=False))
-    model = _load(folder, quantized=True, int8=model_kind == "default-int8")
+    dtype = torch.bfloat16 if model_kind == "default-bf16" else torch.float32
+    model = _load(folder, quantized=True, int8=model_kind == "default-int8", dtype=dtype)
     arch, block_size = model.arch, 16
     lens = np.array([20, 37, 50])
     tables = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)  # 4 blocks (64 slots) each
-    caches = [make_kv_cache(12, block_size, arch.num_key_value_heads, arch.head_dim)
+    caches = [make_kv_cache(12, block_size, arch.num_key_value_heads, arch.head_dim, dtype)
               for _ in range(arch.num_hidden_layers)]  # fmt: skip
     rng = np.random.default_rng(3)
 
@@ -334,6 +338,30 @@ def test_int8_activations_default_model(long_prompt) -> None:
     rel = float((ours - ref).norm() / ref.norm())
     same = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
     assert 1e-5 < rel < 0.05 and same > 0.9, (rel, same)
+
+
+def test_bf16_model_keeps_quantized_weights(long_prompt) -> None:
+    """``--dtype bfloat16`` on a GGUF model: the same quantized blocks (one copy, no bf16
+    expansion) and bf16 activations; logits near the exact fp32 ones (bf16 rounds), the
+    same greedy choice at nearly every position."""
+    folder = prepare_model(None)
+    exact = _load(folder, quantized=True)
+    model = _load(folder, quantized=True, dtype=torch.bfloat16)
+    assert _quantized_modules(model) == _quantized_modules(exact)
+    assert all(
+        p.dtype == torch.bfloat16 and (p.numel() == 0) == (name in _dropped(exact))
+        for name, p in model.named_parameters()
+    )
+    ours, ref = _our_logits(model, long_prompt), _our_logits(exact, long_prompt)
+    assert ours.dtype == torch.float32
+    rel = float((ours - ref).norm() / ref.norm())
+    same = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    assert 1e-4 < rel < 0.05 and same > 0.85, (rel, same)
+
+
+def _dropped(model: LlamaForCausalLM) -> set[str]:
+    """Parameters emptied because their module computes from quantized blocks."""
+    return {name for name, p in model.named_parameters() if p.numel() == 0}
 
 
 def test_int8_activations_need_quantized_weights() -> None:

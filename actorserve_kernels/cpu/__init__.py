@@ -184,7 +184,8 @@ def quant_pack(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
 
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, ggml_type: int, n: int) -> torch.Tensor:
     """``x @ W.T`` for fp32 ``x`` [M, K] and ``W`` [n, K] packed by ``quant_pack``: equal
-    to the dequantized weight's fp32 product up to rounding order. Requires
+    to the dequantized weight's fp32 product up to rounding order (bf16 ``x``: see
+    ``QuantWeight.linear``). Requires
     ``load_cpu_ops()`` to have returned True."""
     out = x.new_empty(x.shape[0], n)
     torch.ops.actorserve_cpu.quant_linear(out, x, packed, ggml_type, n)
@@ -208,7 +209,7 @@ def decode_layers(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) * weight, x + residual) for fp32 [T, H] (residual optional:
+    """(rms_norm(x + residual) * weight, x + residual) for fp32 or bf16 [T, H] (residual optional:
     then the second result is ``x`` itself), in one pass. Requires ``load_cpu_ops()``."""
     out = torch.empty_like(x)
     if residual is None:
@@ -220,14 +221,14 @@ def rms_norm(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for fp32 ``gate_up`` = [gate | up] [T, 2D], in one pass."""
+    """silu(gate) * up for fp32 or bf16 ``gate_up`` = [gate | up] [T, 2D], in one pass."""
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     torch.ops.actorserve_cpu.silu_and_mul(out, gate_up)
     return out
 
 
 def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate fp32 ``x`` [T, heads, D] in place (neox style) with the model's (cos | cos) and
+    """Rotate fp32 or bf16 ``x`` [T, heads, D] in place (neox style) with the model's (cos | cos) and
     (-sin | sin) rows ``cos``/``sin`` [T, 1, D]; D a multiple of 32. Returns ``x``."""
     torch.ops.actorserve_cpu.rotary_embedding(x, cos, sin)
     return x

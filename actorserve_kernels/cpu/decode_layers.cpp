@@ -10,7 +10,8 @@
 // kernel the Python path calls (through the dispatcher: they live in other translation
 // units), so results are identical to the unfused model's.
 //
-// Scope: every row a decode row (one new token per request), fp32 CPU, one tensor-parallel
+// Scope: every row a decode row (one new token per request), fp32 or bf16 CPU (a bf16 model's
+// ops take bf16 and do their math in fp32, as the Python layers call them), one tensor-parallel
 // rank, every linear quantized (``quant_linear``), no q/k norm; the Python model checks
 // this and runs its own layers otherwise.
 
@@ -68,8 +69,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden_in, at
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && static_cast<int64_t>(types.size()) == layers * 4 &&
                   dims.size() == 4 && static_cast<int64_t>(v_caches.size()) == layers,
               "decode_layers: ", kPerLayer, " weights and 4 types per layer, 4 dims");
-  TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && hidden_in.dim() == 2 && hidden_in.is_contiguous(),
-              "decode_layers: contiguous fp32 hidden [T, H]");
+  const at::ScalarType dtype = hidden_in.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && hidden_in.dim() == 2 && hidden_in.is_contiguous(),
+              "decode_layers: contiguous fp32 or bf16 hidden [T, H]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64");
   const Ops& op = ops();
   const int64_t tokens = hidden_in.size(0), hidden_size = hidden_in.size(1);
@@ -80,10 +82,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden_in, at
   TORCH_CHECK(slots.numel() == tokens && ctx_lens.numel() == tokens, "decode_layers: one slot and length per row");
   for (int64_t l = 0; l < layers; ++l) {
     for (const at::Tensor& c : {k_caches[l], v_caches[l]})
-      TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 4 && c.size(2) * c.size(3) == kv_size &&
+      TORCH_CHECK(c.scalar_type() == dtype && c.is_contiguous() && c.dim() == 4 && c.size(2) * c.size(3) == kv_size &&
                       c.sizes() == k_caches[0].sizes(),
-                  "decode_layers: every cache must be contiguous fp32 [blocks, block_size, ", num_kv_heads, ", ",
-                  head_dim, "], got ", c.sizes());
+                  "decode_layers: every cache must be contiguous ", dtype, " [blocks, block_size, ", num_kv_heads,
+                  ", ", head_dim, "], got ", c.sizes());
   }
   const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -100,7 +102,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden_in, at
   const at::Tensor rows = at::arange(tokens, slots.options());  // row i is request i's token
   const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
   const at::Tensor query = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-  const float* qkv_data = qkv.data_ptr<float>();
+  const char* qkv_data = static_cast<const char*>(qkv.data_ptr());
+  const int64_t elem = qkv.element_size();
   const at::Tensor empty_sum = at::empty({0, hidden_size}, opts);
 
   at::Tensor x = hidden_in;
@@ -119,12 +122,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden_in, at
     if (w[2].numel()) qkv.add_(w[2]);
     op.rotary.call(qk, cos, sin);
     // K and V of each token into its cache slot, as reshape_and_cache does.
-    float* kc = k_caches[l].data_ptr<float>();
-    float* vc = v_caches[l].data_ptr<float>();
+    char* kc = static_cast<char*>(k_caches[l].data_ptr());
+    char* vc = static_cast<char*>(v_caches[l].data_ptr());
     for (int64_t t = 0; t < tokens; ++t) {
-      const float* src = qkv_data + t * qkv_n + q_size;
-      std::memcpy(kc + slot[t] * kv_size, src, kv_size * sizeof(float));
-      std::memcpy(vc + slot[t] * kv_size, src + kv_size, kv_size * sizeof(float));
+      const char* src = qkv_data + (t * qkv_n + q_size) * elem;
+      std::memcpy(kc + slot[t] * kv_size * elem, src, kv_size * elem);
+      std::memcpy(vc + slot[t] * kv_size * elem, src + kv_size * elem, kv_size * elem);
     }
     op.attention.call(attn, query, k_caches[l], v_caches[l], block_table, rows, rows, ctx_lens, scale);
     op.quant_linear.call(proj, attn.view({tokens, q_size}), w[3], ty[1], hidden_size);

@@ -13,15 +13,46 @@ constexpr int W = 16;  // floats per vector, and positions per pass-1 tile
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int vi __attribute__((vector_size(W * sizeof(int))));
 
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+
 template <typename scalar_t>
 inline vf load_vec(const scalar_t* p) {
   vf v;
   if constexpr (std::is_same_v<scalar_t, float>) {
     std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // the high half of a float
+    vh h;
+    std::memcpy(&h, p, sizeof(h));
+    const vi bits = __builtin_convertvector(h, vi) << 16;
+    std::memcpy(&v, &bits, sizeof(v));
   } else {
     for (int j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]);
   }
   return v;
+}
+
+// 16 floats stored as they are, or rounded to bf16 (to nearest even, as c10 rounds; NaN
+// stays NaN).
+inline void store_vec(float* p, const vf& v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_vec(c10::BFloat16* p, const vf& v) {
+  typedef unsigned vu __attribute__((vector_size(W * sizeof(unsigned))));
+  vu bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vu rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;
+  const vu quiet = (bits >> 16) | 0x40;  // a NaN's top half, kept a NaN
+  const vh h = __builtin_convertvector(v != v ? quiet : rounded, vh);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// fn(float{}) or fn(c10::BFloat16{}) by the dtype of the model's activations (checked
+// before: fp32 or bf16).
+template <typename Fn>
+inline void with_dtype(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else {
+    fn(float{});
+  }
 }
 
 // Lanes j of the result = sum of the lanes of a[j], for 16 vectors a[0..15]: a tree of

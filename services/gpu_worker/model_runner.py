@@ -167,7 +167,7 @@ class ModelRunner(WorkerBackend):
             )
         if quantization == "none" or source is None:
             return iter_weights(folder, self.dtype)
-        usable = self.device.type == "cpu" and self.dtype == torch.float32
+        usable = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         if usable:
             from actorserve_kernels.cpu import QUANT_TYPES, load_cpu_ops
 
@@ -175,8 +175,9 @@ class ModelRunner(WorkerBackend):
         if not usable:
             if quantization == "gguf":
                 raise ModelLoadError(
-                    "--quantization gguf runs on the CPU kernels with --dtype float32 "
-                    f"(device {self.device.type}, dtype {self.dtype}); use --quantization none"
+                    "--quantization gguf runs on the CPU kernels with --dtype float32 or "
+                    f"bfloat16 (device {self.device.type}, dtype {self.dtype}); use "
+                    "--quantization none"
                 )
             return iter_weights(folder, self.dtype)
         return iter_gguf_weights(source, load_hf_config(folder), self.dtype, QUANT_TYPES.values())

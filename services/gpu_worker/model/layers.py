@@ -57,6 +57,16 @@ def _cpu_fp32_inference(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
+def _cpu_inference(x: torch.Tensor) -> bool:
+    """Where the C++ norm, SwiGLU and rotary ops apply: fp32 or bf16 CPU tensors (bf16: math
+    in fp32, each result rounded once), no autograd."""
+    return (
+        x.dtype in (torch.float32, torch.bfloat16)
+        and x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; for fp32 CPU inference through the C++ streaming op at 1 or 2
     tokens, else oneDNN."""
@@ -113,7 +123,8 @@ class QuantWeight:
         return bool(self.ggml_type & INT8_ACTIVATIONS)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T (+ bias)`` for fp32 x [..., k]."""
+        """``x @ W.T (+ bias)`` for x [..., k] in fp32 (exact up to rounding order) or bf16
+        (few rows: the fp32 product rounded; many: a bf16 GEMM over W expanded to bf16)."""
         flat = x.reshape(-1, self.k).contiguous()
         out = _cpu_op("quant_linear")(flat, self.packed, self.ggml_type, self.n)
         if bias is not None:
@@ -174,7 +185,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if (
-            _cpu_fp32_inference(x)
+            _cpu_inference(x)
+            and x.dtype == self.weight.dtype
             and x.dim() == 2
             and x.stride(-1) == 1
             and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1))
@@ -220,7 +232,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids)
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        return self.quant.rows(ids).to(self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
@@ -234,7 +248,7 @@ class VocabParallelEmbedding(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up for ``gate_up = [gate | up]`` along the last dim."""
-    if _cpu_fp32_inference(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+    if _cpu_inference(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         op = _cpu_op("silu_and_mul")
         if op is not None:
             return op(gate_up)
@@ -302,9 +316,14 @@ class RotaryEmbedding(nn.Module):
         return rows[:, 0:1], rows[:, 1:2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] -> rotated, same shape. On CPU in fp32 ``x`` is rotated in place
+        """x: [T, heads, D] -> rotated, same shape. On CPU in fp32/bf16 ``x`` is rotated in place
         by one C++ op (and returned); elsewhere a rotated copy is returned."""
-        if _cpu_fp32_inference(x) and x.stride(-1) == 1 and self.head_dim % 32 == 0:
+        if (
+            _cpu_inference(x)
+            and x.dtype == cos.dtype == sin.dtype
+            and x.stride(-1) == 1
+            and self.head_dim % 32 == 0
+        ):
             op = _cpu_op("rotary_embedding_")
             if op is not None:
                 return op(x, cos, sin)

@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load (HF name, tensor) pairs; a ``GGUFBlocks`` matrix stays quantized where the
-        CPU kernels read its type (fp32 CPU model), and is expanded otherwise."""
+        CPU kernels read its type (fp32 or bf16 CPU model), and is expanded otherwise."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         pending: dict[str, dict[str | int, GGUFBlocks]] = {}  # fused shards seen quantized
@@ -365,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
             not name.endswith(".weight")
             or not isinstance(module, Linear | VocabParallelEmbedding)
             or weight is None
-            or weight.dtype != torch.float32
+            or weight.dtype not in (torch.float32, torch.bfloat16)
             or weight.device.type != "cpu"
         ):
             return False
