@@ -380,3 +380,18 @@ def test_int8_activations_need_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(actorserve_kernels.cpu, "int8_activations_supported", lambda: False)
     with pytest.raises(ModelLoadError, match="needs a CPU with AVX-512 VNNI"):
         LLM(cpu_activation_quant="int8", max_model_len=256)
+
+
+def test_bf16_warns_without_bf16_dot_products(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--dtype bfloat16`` on a CPU that would emulate bf16 products says it will be slow."""
+    import actorserve_kernels.cpu as kc
+    from services.engine import LLM, SamplingParams
+
+    monkeypatch.setattr(kc, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert not kc.bf16_dot_products()
+    with caplog.at_level("WARNING"):
+        llm = LLM(dtype="bfloat16", max_model_len=128)
+    assert "without AVX512_BF16 or AMX" in caplog.text
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids

@@ -22,10 +22,13 @@ from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelStat
 from services.gpu_worker.input_batch import CachedRequestState, InputBatch
 from services.gpu_worker.model.llama import CheckpointTensor, LlamaForCausalLM
 from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
+from services.logging_utils import init_logger
 from services.model_loader import ModelLoadError, dummy_weights, iter_weights, load_hf_config
 from services.model_loader.gguf_convert import gguf_source, iter_gguf_weights
 from services.protocol import KVLayout, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from services.structured_output.bitmask import apply_token_bitmask, bitmask_rows
+
+logger = init_logger(__name__)
 
 # Prompt logprobs score this many positions at a time: [rows, vocab] fp32 logits stay small.
 _PROMPT_LOGPROBS_ROWS = 256
@@ -88,6 +91,14 @@ class ModelRunner(WorkerBackend):
                 threads = max(1, (os.cpu_count() or 1) // ranks_here)
             if threads is not None:
                 torch.set_num_threads(threads)
+            if self.dtype == torch.bfloat16:
+                from actorserve_kernels.cpu import bf16_dot_products
+
+                if not bf16_dot_products():
+                    logger.warning(
+                        "--dtype bfloat16 on a CPU without AVX512_BF16 or AMX: bf16 matrix "
+                        "products are emulated there, slower than --dtype float32"
+                    )
         if config.cache.kv_cache_dtype != "auto":
             raise ValueError(
                 f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not supported; use auto"
