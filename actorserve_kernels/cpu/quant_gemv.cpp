@@ -29,11 +29,11 @@
 // up to rounding order.
 //
 // Decode batches are done against the quants directly, pass_rows<T>() rows of x per pass
-// over a group (the group stays in L1 between passes); from kGemmRows rows on (prefill)
-// pieces of W are expanded to fp32 once and multiplied by torch's fp32 GEMM.
+// over a group (the group stays in L1 between passes); from gemm_rows() rows on (long
+// prompt chunks) pieces of W are expanded to fp32 once and multiplied by torch's fp32 GEMM.
 //
 // A bf16 x (a --dtype bfloat16 model) is widened to fp32 for the decode kernels (exact) and
-// the result rounded to bf16; from kGemmRows rows W is expanded to bf16 instead and
+// the result rounded to bf16; from gemm_rows() rows W is expanded to bf16 instead and
 // multiplied by torch's bf16 GEMM (AVX512_BF16 dot products: ~2x the fp32 rate on a Zen 4).
 
 #include <ATen/ATen.h>
@@ -57,15 +57,18 @@ constexpr int G = W;    // rows per interleaved group (one vector lane each)
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 // Rows of x per pass against the quants (their accumulators fill the vector registers),
-// and from how many rows on W is expanded to fp32 pieces for torch's GEMM instead
-// (bench/quant_linear.py: ~130-150 GFLOP/s in registers up to 64 rows on the 2-core
-// dev VM, ~170-200 through the GEMM at 512).
+// and from how many rows on W is expanded for torch's GEMM instead. On a 2-core Zen 4 the
+// fp32 kernels in registers (8 rows a pass) beat expand + GEMM at every prompt size up
+// to 1024 rows (the default model's prefill of 256 tokens: 330 against 375 ms; 512: 712
+// against 787 ms; bench/RESULTS.md, issue 15), so fp32 takes the GEMM only for longer
+// chunks; K-quants (more integer work per weight) from 64 rows. bf16's GEMM runs at twice
+// the fp32 rate on AVX512_BF16 and wins from ~48 rows.
 #if defined(__AVX512F__)
 constexpr int kMaxRegRows = 8;  // 32 vector registers
-constexpr int64_t kGemmRows = 64;
+constexpr int64_t kGemmRows = 1024, kGemmRowsKQuant = 64, kGemmRowsBf16 = 48;
 #else
 constexpr int kMaxRegRows = 2;  // 16 registers, each vf two of them
-constexpr int64_t kGemmRows = 16;
+constexpr int64_t kGemmRows = 16, kGemmRowsKQuant = 2, kGemmRowsBf16 = 16;
 #endif
 constexpr int64_t kGemmChunkBytes = 4 << 20;
 
@@ -135,15 +138,11 @@ template <int64_t T>
 constexpr int64_t block_bytes() {  // packed bytes per block of one row (Q4_K: scales unpacked)
   return T == kQ4_K ? 148 : gguf_block_bytes<T>();
 }
-// From how many rows of x on W is expanded for torch's GEMM (AVX2 runs K-quants one row
-// per pass: from 2 rows the GEMM is faster).
+// From how many rows of x on W is expanded for torch's GEMM (see kGemmRows; AVX2 runs
+// K-quants one row per pass: from 2 rows the GEMM is faster).
 template <int64_t T>
-constexpr int64_t gemm_rows() {
-#if defined(__AVX512F__)
-  return kGemmRows;
-#else
-  return is_k_quant<T>() ? 2 : kGemmRows;
-#endif
+constexpr int64_t gemm_rows(bool bf16) {
+  return bf16 ? kGemmRowsBf16 : is_k_quant<T>() ? kGemmRowsKQuant : kGemmRows;
 }
 // Rows of x per pass against a group: as many as their accumulators leave registers for.
 template <int64_t T>
@@ -667,7 +666,7 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   }
   with_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    if (m >= gemm_rows<T>()) {
+    if (m >= gemm_rows<T>(bf16)) {
       if (bf16) {
         quant_linear_gemm<T, c10::BFloat16>(out, x, wp, n, k);
       } else {
