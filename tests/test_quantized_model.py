@@ -354,6 +354,7 @@ def test_bf16_model_keeps_quantized_weights(long_prompt) -> None:
     )
     ours, ref = _our_logits(model, long_prompt), _our_logits(exact, long_prompt)
     assert ours.dtype == torch.float32
+    assert not torch.equal(ours, ours.bfloat16().float())  # the head's fp32, not rounded
     rel = float((ours - ref).norm() / ref.norm())
     same = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
     assert 1e-4 < rel < 0.05 and same > 0.85, (rel, same)

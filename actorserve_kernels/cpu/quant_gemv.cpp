@@ -666,7 +666,10 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   }
   with_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    if (m >= gemm_rows<T>(bf16)) {
+    // The register kernels split the work by 4 groups of 16 output rows a task: a matrix
+    // too narrow to give every thread a task (many cores) takes the GEMM from 64 rows.
+    const bool narrow = (n + 4 * G - 1) / (4 * G) < at::get_num_threads();
+    if (m >= gemm_rows<T>(bf16) || (m >= 64 && narrow)) {
       if (bf16) {
         quant_linear_gemm<T, c10::BFloat16>(out, x, wp, n, k);
       } else {

@@ -274,15 +274,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_meta, kv_caches, intermediate)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        assert head is not None
+        if head.quant is not None:
+            # Quantized: a bf16 model's hidden is widened (exactly) for fp32 logits, which the
+            # few-row kernels compute anyway; rounding them to bf16 would only add ties.
+            logits = head.quant.linear(hidden.float())
+        elif self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
-            embed = self.model.embed_tokens
-            assert embed is not None
-            if embed.quant is not None:
-                logits = embed.quant.linear(hidden)
-            else:
-                logits = linear(hidden, embed.weight)
+            logits = linear(hidden, head.weight)
         if self.parallel.tp_size == 1:
             return logits.float()
         # Each rank's padded vocabulary slice, gathered in rank order; drop the padding.
