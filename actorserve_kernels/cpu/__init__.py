@@ -76,11 +76,7 @@ def _build_name() -> str:
     cache shared by machines with other CPUs must not be reused, and two checkouts with
     different sources sharing the cache must not rebuild each other's library. The
     digest covers the headers too, which torch's builder does not hash."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        cpu = platform.processor()
+    cpu = " ".join(sorted(cpu_flags())) or platform.processor()
     sources = b"".join(p.read_bytes() for p in sorted(_DIR.glob("*.[ch]*")))
     flags = " ".join(_flags()).encode()
     digest = hashlib.sha256(cpu.encode() + b"\0" + flags + b"\0" + sources).hexdigest()[:16]
