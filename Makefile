@@ -41,6 +41,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check services actorserve_kernels launch bench tests
 	$(BIN)/ruff format --check services actorserve_kernels launch bench tests
 	$(BIN)/mypy services launch
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.forward

@@ -31,7 +31,7 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int],
 
 
 def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict:
-    from services.engine import LLM, SamplingParams
+    from launch.llm import LLM, SamplingParams
 
     llm = LLM(
         max_num_seqs=args.max_num_seqs,

@@ -33,7 +33,7 @@ def _steps(folder: Path, rank: int) -> list[tuple[int, float]]:
 
 
 def run_layout(tp: int, pp: int, prompts: list[list[int]], out_len: int) -> dict:
-    from services.engine import LLM, SamplingParams
+    from launch.llm import LLM, SamplingParams
 
     trace = Path(tempfile.mkdtemp(prefix="parallel-trace-"))
     os.environ["ACTORSERVE_STEP_TRACE_DIR"] = str(trace)

@@ -67,7 +67,7 @@ import torch
 import zmq
 
 from services.config import EngineConfig
-from services.kv_transfer.config import KVTransferConfig
+from services.config.kv_transfer import KVTransferConfig
 from services.kv_transfer.p2p import P2PConnectorWorker
 from services.protocol import KVLayout, KVTransferDone, P2PHold, P2PLoad, P2PMetadata
 

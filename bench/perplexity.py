@@ -54,7 +54,7 @@ def windows(ids: list[int], size: int, limit: int) -> list[list[int]]:
 
 
 def run_config(name: str, args: argparse.Namespace, text: str) -> dict[str, Any]:
-    from services.engine import LLM, SamplingParams
+    from launch.llm import LLM, SamplingParams
 
     llm = LLM(
         args.model,

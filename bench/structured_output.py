@@ -88,7 +88,7 @@ def run(llm: Any, prompts: list[str], params: Any, timers: dict[str, Timer]) -> 
 
 
 def measure(batches: list[int], tokens: int) -> dict[str, Any]:
-    from services.engine import LLM, SamplingParams
+    from launch.llm import LLM, SamplingParams
     from services.gpu_worker import model_runner
     from services.protocol import StructuredOutputsParams
     from services.structured_output.manager import StructuredOutputManager

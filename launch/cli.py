@@ -55,7 +55,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _run_generate(args: argparse.Namespace) -> int:
     import time
 
-    from services.engine import LLM
+    from launch.llm import LLM
     from services.protocol import SamplingParams
 
     prompts = _read_prompts(args)

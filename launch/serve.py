@@ -51,9 +51,9 @@ from services.config import (
     RequestLimits,
     ServeConfig,
 )
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import parse_json_object
 from services.ipc import IpcDir, PullSocket, PushSocket
-from services.kv_transfer.config import KVTransferConfig
 from services.logging_utils import init_logger
 from services.metrics.registry import (
     create_multiproc_dir,

@@ -11,6 +11,10 @@ back-pressure is the scheduler's job.
 
 ``ipc_dir()`` makes the private directory (mode 0700) that holds the ``ipc://``
 endpoints of one server instance.
+
+Every ZeroMQ socket between our processes goes through these classes. The few that
+speak a wire format of their own are listed in ``RAW_SOCKETS`` with the reason
+(tests/test_layers.py fails on a raw socket anywhere else).
 """
 
 from __future__ import annotations
@@ -27,6 +31,22 @@ import zmq
 import zmq.asyncio
 
 T = TypeVar("T")
+
+# Files that open ZeroMQ sockets themselves, and why a typed wrapper does not fit.
+RAW_SOCKETS: dict[str, str] = {
+    "services/kv_cache/events.py": (
+        "vLLM's KV-event wire format: multipart (topic, sequence, msgpack batch) on PUB, "
+        "and a ROUTER that replays missed batches, so vLLM's subscribers read ours"
+    ),
+    "services/router/kv_events.py": (
+        "the subscriber side of that format (SUB, and a DEALER asking for replays), "
+        "which reads vLLM's publishers too"
+    ),
+    "services/kv_transfer/p2p.py": (
+        "the p2p side channel: ROUTER/DEALER with one frame per layer of raw KV bytes "
+        "(zero-copy buffers, not msgspec messages), between engines on different hosts"
+    ),
+}
 
 # Below this, copying into ZeroMQ's own buffer is cheaper than tracking a zero-copy frame.
 ZERO_COPY_THRESHOLD = 64 * 1024

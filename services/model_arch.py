@@ -7,6 +7,9 @@ from typing import Any
 
 from services.flags import ConfigError
 
+# Bytes per element of the simulated devices' dtypes (the sim worker, p2p's simulated link).
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

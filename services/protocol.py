@@ -558,11 +558,12 @@ ApiServerInput = (
 # vLLM's wire format (vllm/distributed/kv_events.py): the prefix cache reports blocks it
 # stores and evicts, so a router can tell which replica holds which prefix. Each batch
 # leaves as a ZMQ multipart message (topic, 8-byte big-endian sequence number, msgpack
-# KVEventBatch); services/scheduler/kv_events.py publishes and replays them. Every field is
+# KVEventBatch); services/kv_cache/events.py publishes and replays them. Every field is
 # encoded (no omit_defaults) in vLLM's order, events tagged by class name, so decoders
 # built on vLLM's array-like structs (vLLM's own subscriber, llm-d, Dynamo) read ours.
-# Block hashes are the scheduler's (services/scheduler/block_hash.py): bytes for sha256 /
+# Block hashes are computed in services/kv_cache/block_hash.py: bytes for sha256 /
 # sha256_cbor, int for builtin.
+BlockHash = bytes | int
 
 _KV_EVENT = {"array_like": True, "tag": True}
 MEDIUM_GPU = "GPU"  # vLLM's name for the engine's own KV pool, whatever the device

@@ -9,8 +9,8 @@ import concurrent.futures
 import httpx
 import pytest
 
+from launch.llm import LLM, SamplingParams
 from services.config import EngineConfig
-from services.engine import LLM, SamplingParams
 from tests.server_utils import RemoteServer
 
 PROMPTS = [
@@ -79,8 +79,8 @@ def _engine_core_proc(async_scheduling: bool):
     import queue
 
     from services.config import CacheConfig, SchedulerConfig, ServeConfig
-    from services.metrics.engine_core import EngineCoreMetrics
     from services.scheduler.engine_core import EngineCore
+    from services.scheduler.metrics import EngineCoreMetrics
     from services.scheduler.service import EngineCoreProc
     from tests.test_scheduler_property import SimExecutor
 

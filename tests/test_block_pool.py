@@ -10,14 +10,14 @@ import random
 import pytest
 
 from services.config import ConfigError
+from services.kv_cache.block_hash import BlockHasher, _cbor, sha256_cbor
+from services.kv_cache.block_pool import BlockPool
+from services.kv_cache.capacity import check_kv_capacity
+from services.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
+from services.kv_cache.manager import KVCacheManager
+from services.kv_cache.metrics import KVCacheMetrics
 from services.protocol import BlockRemoved, BlockStored, SamplingParams
-from services.scheduler.block_hash import BlockHasher, _cbor, sha256_cbor
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.capacity import check_kv_capacity
-from services.scheduler.free_block_queue import FreeBlockQueue, KVCacheBlock
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_metrics import KVCacheMetrics
-from services.scheduler.request import Request
+from services.request import Request
 
 # ---------------------------------------------------------------- hashing
 

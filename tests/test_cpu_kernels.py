@@ -249,8 +249,12 @@ def test_quant_linear_matches_dequantize_then_matmul(qtype: str, rows: int, n: i
         row_bytes = k // 256 * PACKED_BLOCK_BYTES[qtype]
     assert packed.numel() == -(-n // 16) * row_bytes * 16  # the same bytes per row (Q4_K: +3 %)
     out = quant_linear(torch.from_numpy(x), packed, QUANT_TYPES[qtype], n)
-    err = float(np.linalg.norm(out.double().numpy() - ref) / np.linalg.norm(ref))
-    assert out.shape == (rows, n) and err < 1e-6, f"{qtype}: relative error {err:.2e} (seed {seed})"
+    assert out.shape == (rows, n)
+    # fp32 summation in any order: |error| <= k u sum|x w| (u = 2^-24), per element; a
+    # relative norm alone fails on rare cancellations (a 32-term product summing near 0).
+    bound = 2 * k * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(dequantized).T) + 1e-30
+    excess = float(np.max(np.abs(out.double().numpy() - ref) / bound))
+    assert excess <= 1.0, f"{qtype}: error {excess:.2f}x the fp32 bound (seed {seed})"
 
 
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))

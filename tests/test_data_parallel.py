@@ -98,7 +98,7 @@ def _successes(server: RemoteServer, engine: str) -> float:
 
 
 def test_dp2_spreads_a_concurrent_load_with_one_engines_tokens(dp_server, greedy_prompts) -> None:
-    from services.engine import LLM, SamplingParams
+    from launch.llm import LLM, SamplingParams
 
     prompts = [f"Question {i}: name a colour, a city and a number." for i in range(32)]
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -158,7 +158,7 @@ def test_kv_events_carry_the_data_parallel_rank(dp_server) -> None:
 @pytest.mark.slow  # make test-slow; make test: DP=2 and TP=2 each
 def test_dp2_with_tp2_is_four_workers(small_model) -> None:
     """-dp 2 -tp 2: two engine cores of two ranks each, every one serving the same tokens."""
-    from services.engine import LLM, SamplingParams
+    from launch.llm import LLM, SamplingParams
 
     args = ["--model", str(small_model), "--load-format", "dummy", "--seed", "5",
             "--max-model-len", "256", "-dp", "2", "-tp", "2"]  # fmt: skip

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from launch.llm import LLM, SamplingParams
 from tests.conftest import NUM_GREEDY_TOKENS
 
 

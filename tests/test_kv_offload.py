@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from services.config import EngineConfig, SchedulerConfig
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import ConfigError
-from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.multi import MultiConnectorScheduler
 from services.kv_transfer.offload import (
     OffloadConnectorScheduler,
@@ -37,7 +37,7 @@ from services.protocol import (
     SamplingParams,
     StepResult,
 )
-from services.scheduler.request import Request, RequestStatus
+from services.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from tests.server_utils import RemoteServer, metric
 

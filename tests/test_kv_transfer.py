@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from services.config import EngineConfig, SchedulerConfig
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import ConfigError
-from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.p2p import P2PConnectorScheduler, P2PConnectorWorker
 from services.protocol import (
     KVLayout,
@@ -28,7 +28,7 @@ from services.protocol import (
     P2PMetadata,
     SamplingParams,
 )
-from services.scheduler.request import Request, RequestStatus
+from services.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from tests.server_utils import RemoteServer, free_port, http_process, metric, wait_metric
 

@@ -34,13 +34,14 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.config import ServeConfig
-from services.metrics.engine_core import EngineCoreMetrics
+from services.kv_cache.metrics import PrefixCacheStats
 from services.metrics.engine_metrics import build_1_2_5_buckets, request_timeline
 from services.metrics.registry import observe_many
+from services.metrics.stats import SchedulerStats
 from services.metrics.stats_logger import LoggingStatLogger, PrefixCacheHitRate
 from services.protocol import RequestTokens, SamplingParams, StepPlan
-from services.scheduler.request import Request, RequestEventType
-from services.scheduler.stats import PrefixCacheStats, SchedulerStats
+from services.request import Request, RequestEventType
+from services.scheduler.metrics import EngineCoreMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.engine import LLM, SamplingParams
+from launch.llm import LLM, SamplingParams
 from tests.server_utils import REPO, RemoteServer, free_port, metric
 
 PROMPTS = [[1, 100, 200, 300], list(range(5, 60))]

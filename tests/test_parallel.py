@@ -25,8 +25,8 @@ import openai
 import psutil
 import pytest
 
+from launch.llm import LLM, SamplingParams
 from services.config import ConfigError
-from services.engine import LLM, SamplingParams
 from tests.conftest import NUM_GREEDY_TOKENS
 from tests.server_utils import RemoteServer
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.llm import LLM, SamplingParams
 from services.detokenizer.service import OutputProcessor
-from services.engine import LLM, SamplingParams
 from services.protocol import (
     PromptLogprobs,
     RequestOutputSpec,
@@ -20,7 +20,7 @@ from services.protocol import (
     TokenBatch,
     TokenLogprobs,
 )
-from services.scheduler.request import Request
+from services.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.loader import load_serving_tokenizer
 

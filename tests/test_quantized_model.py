@@ -366,7 +366,7 @@ def _dropped(model: LlamaForCausalLM) -> set[str]:
 
 
 def test_int8_activations_need_quantized_weights() -> None:
-    from services.engine import LLM
+    from launch.llm import LLM
     from services.model_loader import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="applies to a GGUF model's quantized matrices"):
@@ -375,7 +375,7 @@ def test_int8_activations_need_quantized_weights() -> None:
 
 def test_int8_activations_need_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
     import actorserve_kernels.cpu
-    from services.engine import LLM
+    from launch.llm import LLM
     from services.model_loader import ModelLoadError
 
     monkeypatch.setattr(actorserve_kernels.cpu, "int8_activations_supported", lambda: False)
@@ -388,7 +388,7 @@ def test_bf16_warns_without_bf16_dot_products(
 ) -> None:
     """``--dtype bfloat16`` on a CPU that would emulate bf16 products says it will be slow."""
     import actorserve_kernels.cpu as kc
-    from services.engine import LLM, SamplingParams
+    from launch.llm import LLM, SamplingParams
 
     monkeypatch.setattr(kc, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     assert not kc.bf16_dot_products()

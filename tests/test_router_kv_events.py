@@ -5,7 +5,7 @@ restart, evictions and ``AllBlocksCleared``.
 The publisher side here is ``FakePublisher``: vLLM's protocol written directly on pyzmq
 (PUB ``(topic, seq, payload)``, ROUTER replay answering ``start_seq`` with the buffered
 batches then ``-1``), so the subscriber is checked against the protocol, not against our own
-publisher; our publisher (``services/scheduler/kv_events.py``) is checked against vLLM's
+publisher; our publisher (``services/kv_cache/events.py``) is checked against vLLM's
 struct definitions, copied below from ``vllm/distributed/kv_events.py``.
 """
 
@@ -21,6 +21,7 @@ import msgspec
 import pytest
 import zmq
 
+from services.kv_cache.events import KVEventPublisher
 from services.protocol import (
     AllBlocksCleared,
     BlockRemoved,
@@ -29,7 +30,6 @@ from services.protocol import (
     KVEventBatch,
 )
 from services.router.kv_events import PreciseIndex, Publisher, Subscription, decode_batch
-from services.scheduler.kv_events import KVEventPublisher
 from tests.router_fakes import free_port
 
 FIXTURES = json.loads((Path(__file__).parent / "data" / "kv_event_batches.json").read_text())

@@ -16,7 +16,7 @@ from services.protocol import (
     StepResult,
     TokenizedRequest,
 )
-from services.scheduler.request import Request, RequestEventType, RequestStatus
+from services.request import Request, RequestEventType, RequestStatus
 from services.scheduler.scheduler import Scheduler
 
 VOCAB = 50

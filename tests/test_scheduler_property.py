@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from services.config import CacheConfig, EngineConfig, SchedulerConfig
 from services.protocol import SamplingParams, StepPlan, StepResult
+from services.request import Request
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import Executor
-from services.scheduler.request import Request
 from tests.test_scheduler import EOS, Run, SimWorker, token_fn
 
 MAX_MODEL_LEN = 32

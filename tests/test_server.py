@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from services.engine import LLM, SamplingParams
+from launch.llm import LLM, SamplingParams
 from tests.server_utils import RemoteServer, metric, sse_chunks, wait_metric
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]

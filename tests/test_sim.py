@@ -13,9 +13,9 @@ import pytest
 
 from services.flags import ConfigError
 from services.gpu_worker.sim.cost_model import RequestWork, SimHardware, StepCostModel
-from services.gpu_worker.sim.models import sim_config_path
 from services.gpu_worker.sim.worker import OutputLengths
 from services.model_arch import ModelArchConfig
+from services.model_loader.sim_model import sim_config_path
 from tests.server_utils import RemoteServer, metric, wait_metric
 
 MODEL = "llama-3-8b"
@@ -119,9 +119,9 @@ def test_kv_pool_is_what_the_simulated_device_holds() -> None:
     8 KV heads x 128 x 2 (K and V) x 2 bytes = 2 MiB."""
     from services.config import EngineConfig
     from services.gpu_worker.distributed import ParallelState
-    from services.gpu_worker.sim.models import sim_model_folder
     from services.gpu_worker.sim.worker import SimWorker
     from services.model_loader import prepare_model
+    from services.model_loader.sim_model import sim_model_folder
 
     config = EngineConfig.from_kwargs(worker_backend="sim", sim_model=MODEL)
     config.scheduler.max_num_batched_tokens = 2048
@@ -228,9 +228,9 @@ def test_clock_scales_intervals_and_wall_time() -> None:
 def test_sim_refuses_what_it_does_not_model() -> None:
     from services.config import EngineConfig
     from services.gpu_worker.distributed import ParallelState
-    from services.gpu_worker.sim.models import sim_model_folder
     from services.gpu_worker.sim.worker import SimWorker
     from services.model_loader import prepare_model
+    from services.model_loader.sim_model import sim_model_folder
 
     with pytest.raises(ConfigError, match="run it on one machine"):
         EngineConfig.from_kwargs(worker_backend="sim", tensor_parallel_size=2, nnodes=2,
@@ -246,7 +246,7 @@ def test_sim_refuses_what_it_does_not_model() -> None:
 
 def test_kv_block_residency_is_timed_in_simulated_seconds() -> None:
     from services import clock
-    from services.scheduler.kv_cache_metrics import KVCacheMetrics
+    from services.kv_cache.metrics import KVCacheMetrics
 
     try:
         clock.set_sim_speed(0.01)

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from services.engine import LLM, SamplingParams
+from launch.llm import LLM, SamplingParams
 from services.protocol import StructuredOutputsParams as SO
 from tests.server_utils import RemoteServer
 from tests.test_structured_output import SCHEMAS

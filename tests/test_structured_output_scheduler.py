@@ -16,7 +16,7 @@ import pytest
 
 from services.config import StructuredOutputsConfig
 from services.protocol import SamplingParams, StepPlan, StructuredOutputsParams
-from services.scheduler.request import Request, RequestStatus
+from services.request import Request, RequestStatus
 from services.structured_output.backend import (
     BACKENDS,
     Constraint,

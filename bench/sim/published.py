@@ -20,10 +20,10 @@ import random
 import time
 from pathlib import Path
 
-from services.engine import LLM, SamplingParams
+from launch.llm import LLM, SamplingParams
 from services.gpu_worker.sim.cost_model import RequestWork, SimHardware, StepCostModel
-from services.gpu_worker.sim.models import sim_config_path
 from services.model_arch import ModelArchConfig
+from services.model_loader.sim_model import sim_config_path
 
 HERE = Path(__file__).parent
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from services import clock
-from services.api_server import serving
+from services.api_server import choices, serving
 from services.api_server.frontend import EngineFrontend, EngineRequestError
 from services.api_server.http_io import (
     APIError,
@@ -49,7 +49,7 @@ from services.config import RequestLimits
 from services.metrics.process_metrics import api_requests, engine_restarts
 from services.metrics.registry import render_latest
 from services.protocol import DetokenizeRequest as EngineDetokenizeRequest
-from services.protocol import GenerateRequest, SamplingParams, TokenizeRequest, choice_params
+from services.protocol import GenerateRequest, SamplingParams, TokenizeRequest
 
 VERSION = "0.1.0"
 
@@ -161,13 +161,10 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         sampling: SamplingParams,
         make: Callable[[str, SamplingParams, int], GenerateRequest],
     ) -> list[GenerateRequest]:
-        """n choices per prompt: engine requests ``{base_id}-{index}``, seed+i when seeded
-        (as vLLM)."""
-        reqs = []
-        for p in range(ctx.num_prompts):
-            for i in range(ctx.n):
-                reqs.append(make(f"{base_id}-{p * ctx.n + i}", choice_params(sampling, i), p))
-        return reqs
+        return [
+            make(req_id, params, p)
+            for req_id, p, params in choices.fan_out(base_id, ctx.num_prompts, sampling)
+        ]
 
     async def respond(
         request: Request,

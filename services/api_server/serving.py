@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from services.api_server.choices import ChoiceState
 from services.api_server.frontend import EngineRequestError
 from services.api_server.tool_calls import CallStart, Content, Event, ToolCalling
 from services.protocol import DecodedLogprob, DecodedPromptLogprobs, TextDelta
@@ -58,37 +59,6 @@ class ResponseContext:
     @property
     def num_choices(self) -> int:
         return self.n * self.num_prompts
-
-
-@dataclass
-class ChoiceState:
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[DecodedLogprob] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    prompt_logprobs: DecodedPromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] = field(default_factory=list)
-    kv_transfer_params: dict[str, object] | None = None
-    # text_offset of the next logprobs entry: vLLM counts token lengths from the first entry
-    # on, across chunks (held-back stop-string text and partial characters lag the tokens).
-    next_offset: int = 0
-
-    def update(self, delta: TextDelta, text: str) -> None:
-        """Record a delta (``text`` may start with the echoed prompt)."""
-        self.text.append(text)
-        self.logprobs += delta.logprobs
-        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
-        self.prompt_token_ids = self.prompt_token_ids or delta.prompt_token_ids
-        self.token_ids += delta.token_ids
-        self.kv_transfer_params = self.kv_transfer_params or delta.kv_transfer_params
-        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.num_output_tokens = delta.num_output_tokens
 
 
 def usage(ctx: ResponseContext, states: list[ChoiceState]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The contract of a worker backend: what one worker rank does with StepPlans.
 
-Backends register by name in ``services/gpu_worker/registry.py``
+Backends register by name in ``services/registry.py``
 (``--worker-backend``). The same object serves a rank in a worker process
 (``worker.py``) and the single rank of the offline engine (``UniprocExecutor``).
 """

@@ -24,14 +24,14 @@ from services.flags import ConfigError
 from services.gc_tuning import freeze_gc
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed, rank_state
-from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
 from services.ipc import PushSocket, SubSocket, report_ready
+from services.kv_cache.capacity import check_kv_capacity
 from services.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from services.logging_utils import init_logger
 from services.metrics.process_metrics import device_seconds, worker_forward_time
 from services.model_loader import load_hf_config
 from services.protocol import EngineCoreInput, KVTransferDone, StepPlan, StepResult
-from services.scheduler.capacity import check_kv_capacity
+from services.registry import WORKER_BACKENDS, load_backend
 
 logger = init_logger(__name__)
 

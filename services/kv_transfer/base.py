@@ -17,24 +17,22 @@ it calls, from any thread, when transfers end.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from services.kv_transfer.config import KVTransferConfig
-from services.kv_transfer.registry import KV_CONNECTORS
+from services.config.kv_transfer import KVTransferConfig
 from services.protocol import KVLayout, KVTransferDone
+from services.registry import KV_CONNECTORS, resolve
 
 if TYPE_CHECKING:
     import torch
 
     from services.config import EngineConfig
-    from services.protocol import KVCacheEvent
-    from services.scheduler.block_hash import BlockHash
-    from services.scheduler.free_block_queue import KVCacheBlock
-    from services.scheduler.request import Request
+    from services.kv_cache.free_block_queue import KVCacheBlock
+    from services.protocol import BlockHash, KVCacheEvent
+    from services.request import Request
 
 
 @dataclass
@@ -164,8 +162,7 @@ class KVConnectorWorker(ABC):
 
 def connector_class(name: str, half: int) -> Any:
     """The registered connector's scheduler (0) or worker (1) half."""
-    module_name, cls_name = KV_CONNECTORS[name][half].split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+    return resolve(KV_CONNECTORS[name][half])
 
 
 def create_scheduler_connector(

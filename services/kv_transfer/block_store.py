@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import ConfigError
 from services.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, TransferOutcome
-from services.kv_transfer.config import KVTransferConfig
 from services.protocol import (
     BlockRemoved,
     BlockStored,
@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     import torch
 
     from services.config import EngineConfig
-    from services.scheduler.block_hash import BlockHash
-    from services.scheduler.free_block_queue import KVCacheBlock
-    from services.scheduler.request import Request
+    from services.kv_cache.free_block_queue import KVCacheBlock
+    from services.protocol import BlockHash
+    from services.request import Request
 
 logger = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import ConfigError
 from services.kv_transfer.base import (
     KVConnectorScheduler,
@@ -27,16 +28,15 @@ from services.kv_transfer.base import (
     TransferOutcome,
     connector_class,
 )
-from services.kv_transfer.config import KVTransferConfig
 from services.protocol import KVCacheEvent, KVLayout, KVTransferDone
 
 if TYPE_CHECKING:
     import torch
 
     from services.config import EngineConfig
-    from services.scheduler.block_hash import BlockHash
-    from services.scheduler.free_block_queue import KVCacheBlock
-    from services.scheduler.request import Request
+    from services.kv_cache.free_block_queue import KVCacheBlock
+    from services.protocol import BlockHash
+    from services.request import Request
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(list[bytes])

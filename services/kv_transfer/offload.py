@@ -21,15 +21,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import ConfigError
 from services.kv_transfer.block_store import BlockStoreScheduler, BlockStoreWorker, Key
-from services.kv_transfer.config import KVTransferConfig
 
 if TYPE_CHECKING:
     import torch
 
     from services.config import EngineConfig
-    from services.scheduler.block_hash import BlockHash
+    from services.protocol import BlockHash
 
 _DTYPES = ("auto", "int8")
 _CHUNK = 64  # host slots allocated at a time

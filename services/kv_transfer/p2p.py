@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import ConfigError
 from services.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, TransferOutcome
-from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.nixl_transport import NixlAgent, NixlError
+from services.model_arch import DTYPE_BYTES
 from services.protocol import (
     KVLayout,
     KVPull,
@@ -67,8 +68,8 @@ if TYPE_CHECKING:
     import torch
 
     from services.config import EngineConfig
-    from services.scheduler.free_block_queue import KVCacheBlock
-    from services.scheduler.request import Request
+    from services.kv_cache.free_block_queue import KVCacheBlock
+    from services.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -730,8 +731,6 @@ class P2PConnectorWorker(KVConnectorWorker):
         real rank of the simulated model would move (its layout), over the simulated
         device's interconnect, in simulated time (``--sim-speed``)."""
         assert self.layout is not None and self.simulated_link is not None
-        from services.gpu_worker.sim.cost_model import DTYPE_BYTES
-
         start = time.monotonic()
         layout = self.layout
         for _ in self._layer_messages(sock, load, layout.num_layers):

@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from services.config import DTYPES
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import ConfigError
 from services.kv_transfer.block_store import BlockStoreScheduler, BlockStoreWorker, Key
-from services.kv_transfer.config import KVTransferConfig
 from services.protocol import BlockStoreLoad
 
 if TYPE_CHECKING:
     import torch
 
     from services.config import EngineConfig
-    from services.scheduler.block_hash import BlockHash
+    from services.protocol import BlockHash
 
 logger = logging.getLogger(__name__)
 _SUFFIX = ".safetensors"

@@ -35,11 +35,11 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services import clock
 from services.config import ServeConfig
+from services.kv_cache.metrics import KVCacheResidency
 from services.metrics.registry import LABEL_NAMES, label_values, observe_many
+from services.metrics.stats import SchedulerStats
 from services.protocol import KVTransferDone, RequestTokens, StepPlan
-from services.scheduler.kv_cache_metrics import KVCacheResidency
-from services.scheduler.request import Request, RequestEventType
-from services.scheduler.stats import SchedulerStats
+from services.request import Request, RequestEventType
 
 GAUGE_INTERVAL_S = 0.1  # gauges need not move faster than anyone scrapes them
 # Finished ids remembered, so that a step recorded late does not wait for their first token.

@@ -17,8 +17,9 @@ import collections
 import logging
 
 from services import clock
+from services.kv_cache.metrics import PrefixCacheStats
+from services.metrics.stats import SchedulerStats
 from services.protocol import KVTransferDone
-from services.scheduler.stats import PrefixCacheStats, SchedulerStats
 
 HIT_RATE_WINDOW_REQUESTS = 1000
 

@@ -110,7 +110,7 @@ def prepare_engine_model(model: str | None, load_format: str, sim_model: str | N
     folder = prepare_model(model, load_format)
     if sim_model is None:
         return folder
-    from services.gpu_worker.sim.models import sim_model_folder
+    from services.model_loader.sim_model import sim_model_folder
 
     return sim_model_folder(sim_model, folder)
 

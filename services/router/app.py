@@ -35,6 +35,8 @@ from starlette.background import BackgroundTask
 
 from services.api_server.http_io import error_response
 from services.api_server.serving import error_body
+from services.kv_cache.block_hash import BlockHasher
+from services.registry import HASH_ALGORITHMS
 from services.router.kv_events import (
     DecodedBatch,
     EventFollower,
@@ -54,7 +56,6 @@ from services.router.policies import (
 from services.router.prefix_index import ApproxPrefixIndex
 from services.router.prompts import PromptTokenizer
 from services.router.replicas import CacheGeometry, Replica, ReplicaSet, normalize_url
-from services.scheduler.block_hash import HASH_FUNCTIONS, BlockHasher
 
 log = logging.getLogger("actorserve.router")
 
@@ -153,7 +154,7 @@ class Router:
 
     def _adopt(self, geometry: CacheGeometry) -> None:
         self.geometry = geometry
-        if geometry.hash_algo in HASH_FUNCTIONS:
+        if geometry.hash_algo in HASH_ALGORITHMS:
             self.hasher = BlockHasher(geometry.block_size, geometry.hash_algo)
         else:  # vLLM's xxhash, say: the router cannot hash as the replicas do
             log.warning("the replicas hash blocks with %s, which the router does not know: "

@@ -1,7 +1,7 @@
 """``prefix_precise``: the blocks each replica really holds, from its KV events.
 
 Each replica's engine cores publish their prefix cache's changes in vLLM's wire format
-(``services/scheduler/kv_events.py``; vLLM's ``--kv-events-config`` does the same): a ZMQ
+(``services/kv_cache/events.py``; vLLM's ``--kv-events-config`` does the same): a ZMQ
 PUB message ``(topic, seq, payload)`` per batch, and a ROUTER socket that replays buffered
 batches from a sequence number. The router subscribes to each and keeps, per engine core,
 the count of cached blocks per hash (``PreciseIndex``).
@@ -41,8 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from services.scheduler.block_hash import BlockHash
+from services.protocol import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 
 log = logging.getLogger("actorserve.router")
 

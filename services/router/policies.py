@@ -92,10 +92,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from services.protocol import BlockHash
 from services.router.kv_events import PreciseIndex
 from services.router.prefix_index import ApproxPrefixIndex
 from services.router.replicas import Replica
-from services.scheduler.block_hash import BlockHash
 
 log = logging.getLogger("actorserve.router")
 

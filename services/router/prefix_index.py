@@ -1,7 +1,7 @@
 """The ``prefix_approx`` index: which prompt blocks the router sent to which replica.
 
 The router hashes a prompt's full blocks exactly as the engine does
-(``services/scheduler/block_hash.py``: same function, root and ``cache_salt`` rule) and
+(``services/kv_cache/block_hash.py``: same function, root and ``cache_salt`` rule) and
 remembers, per replica, the blocks of the requests it sent there in an LRU of the
 replica's size (its ``num_gpu_blocks`` from ``vllm:cache_config_info``). A prompt's
 score on a replica is the number of its leading blocks in that replica's LRU.
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from services.scheduler.block_hash import BlockHash
+from services.protocol import BlockHash
 
 DEFAULT_CAPACITY = 1 << 20  # blocks per replica when the replica does not say its pool size
 

@@ -1,7 +1,7 @@
 """The engine core: one step is schedule -> executor -> update (vLLM's ``EngineCore``).
 
 The server's scheduler process (``service.py``, around sockets) and the offline
-``LLM`` (``services/engine.py``, in-process) drive this same object, so the
+``LLM`` (``launch/llm.py``, in-process) drive this same object, so the
 admission rules, the step and the bookkeeping after it exist once.
 """
 
@@ -14,8 +14,8 @@ from services import clock
 from services.config import EngineConfig
 from services.kv_transfer.base import create_scheduler_connector
 from services.protocol import KVTransferDone, RequestTokens, StepPlan, TokenizedRequest
+from services.request import Request
 from services.scheduler.executor import Executor
-from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.structured_output.manager import StructuredOutputManager
 

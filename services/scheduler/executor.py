@@ -61,8 +61,8 @@ class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, folder: Path | None) -> None:
         from services.gpu_worker.base import WorkerBackend
         from services.gpu_worker.distributed import SINGLE_RANK
-        from services.gpu_worker.registry import WORKER_BACKENDS, load_backend
-        from services.scheduler.capacity import check_kv_capacity
+        from services.kv_cache.capacity import check_kv_capacity
+        from services.registry import WORKER_BACKENDS, load_backend
 
         backend = load_backend(
             WORKER_BACKENDS, "worker backend", config.worker.worker_backend, WorkerBackend

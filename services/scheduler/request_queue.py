@@ -8,7 +8,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from services.scheduler.request import Request
+from services.registry import SCHEDULING_POLICIES, load
+from services.request import Request
 
 
 class RequestQueue(Protocol):
@@ -84,15 +85,7 @@ class PriorityQueue:
         return (e[3] for e in self._heap)
 
 
-# --scheduling-policy: one queue class per policy.
-REQUEST_QUEUES: dict[str, type[FCFSQueue] | type[PriorityQueue]] = {
-    "fcfs": FCFSQueue,
-    "priority": PriorityQueue,
-}
-
-
 def create_request_queue(policy: str) -> RequestQueue:
-    try:
-        return REQUEST_QUEUES[policy]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {policy!r}") from None
+    """``--scheduling-policy``'s queue (services/registry.py names one class per policy)."""
+    queue: RequestQueue = load("scheduling policy", SCHEDULING_POLICIES, policy)()
+    return queue

@@ -8,7 +8,13 @@ import sys
 
 from services import clock
 from services.config import CacheConfig, SchedulerConfig
+from services.kv_cache.block_hash import BlockHasher
+from services.kv_cache.capacity import check_kv_capacity
+from services.kv_cache.free_block_queue import KVCacheBlock
+from services.kv_cache.manager import KVCacheManager
+from services.kv_cache.metrics import KVCacheMetrics, KVCacheResidency, PrefixCacheStats
 from services.kv_transfer.base import KVConnectorScheduler
+from services.metrics.stats import SchedulerStats
 from services.protocol import (
     KVCacheEvent,
     KVTransferDone,
@@ -19,12 +25,7 @@ from services.protocol import (
     StepResult,
     TokenLogprobs,
 )
-from services.scheduler.block_hash import BlockHasher
-from services.scheduler.capacity import check_kv_capacity
-from services.scheduler.free_block_queue import KVCacheBlock
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_metrics import KVCacheMetrics, KVCacheResidency
-from services.scheduler.request import (
+from services.request import (
     FINISH_STATUS,
     Request,
     RequestEventType,
@@ -33,7 +34,6 @@ from services.scheduler.request import (
     reaches_length,
 )
 from services.scheduler.request_queue import create_request_queue
-from services.scheduler.stats import PrefixCacheStats, SchedulerStats
 from services.structured_output.backend import GrammarError
 from services.structured_output.manager import StructuredOutputManager
 

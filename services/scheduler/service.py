@@ -19,8 +19,8 @@ from services import clock
 from services.config import ServeConfig
 from services.gc_tuning import freeze_gc
 from services.ipc import PubSocket, PullSocket, PushSocket, report_ready
+from services.kv_cache.events import KVEventPublisher
 from services.logging_utils import init_logger
-from services.metrics.engine_core import EngineCoreMetrics
 from services.protocol import (
     Abort,
     EngineCoreInput,
@@ -35,7 +35,7 @@ from services.protocol import (
 )
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import MultiprocExecutor
-from services.scheduler.kv_events import KVEventPublisher
+from services.scheduler.metrics import EngineCoreMetrics
 from services.structured_output.manager import StructuredOutputManager, vocab_from_folder
 
 logger = init_logger(__name__)

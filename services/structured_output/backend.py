@@ -22,6 +22,8 @@ from typing import Protocol
 import numpy as np
 import tokenizers
 
+from services.request import Matcher
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
@@ -40,24 +42,6 @@ class Constraint:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise GrammarError(f"unknown structured output kind {self.kind!r}")
-
-
-class Matcher(Protocol):
-    """One request's place in its grammar."""
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False (and no move) if the grammar forbids it."""
-        ...
-
-    def fill(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (int32 words)."""
-        ...
-
-    def rollback(self, num_tokens: int) -> None: ...
-
-    def is_terminated(self) -> bool:
-        """The grammar is complete and a stop token was accepted."""
-        ...
 
 
 class GrammarBackend(Protocol):

@@ -25,11 +25,11 @@ import numpy as np
 
 from services.config import StructuredOutputsConfig
 from services.protocol import StructuredOutputsParams
+from services.request import Matcher
 from services.structured_output.backend import (
     Constraint,
     GrammarBackend,
     GrammarError,
-    Matcher,
     VocabInfo,
     allocate_bitmask,
     choose_backend,
@@ -38,7 +38,7 @@ from services.structured_output.backend import (
 
 if TYPE_CHECKING:
     from services.model_loader import TokenizerInfo
-    from services.scheduler.request import Request
+    from services.request import Request
 
 logger = logging.getLogger(__name__)
 

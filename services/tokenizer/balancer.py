@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from services.kv_cache.block_hash import BlockHash, BlockHasher
 from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, EngineState
-from services.scheduler.block_hash import BlockHash, BlockHasher
 
 _WAITING_WEIGHT = 4
 _SLACK = _WAITING_WEIGHT  # one waiting request's worth of load

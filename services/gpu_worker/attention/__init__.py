@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from services.gpu_worker.registry import ATTENTION_BACKENDS, load_backend
+from services.registry import ATTENTION_BACKENDS, load_backend
 
 __all__ = [
     "AttentionBackend",

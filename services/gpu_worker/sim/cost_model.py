@@ -33,10 +33,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from services.flags import ConfigError
-from services.model_arch import ModelArchConfig
+from services.model_arch import DTYPE_BYTES, ModelArchConfig
 
 HARDWARE_DIR = Path(__file__).parent / "hardware"
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 _TORCH_DTYPES = {
     "float32": "fp32",
     "float": "fp32",

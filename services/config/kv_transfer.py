@@ -70,7 +70,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
-        from services.kv_transfer.registry import KV_CONNECTORS
+        from services.registry import KV_CONNECTORS
 
         raw = parse_json_object("--kv-transfer-config", text, _KNOWN_KEYS)
         name = raw.get("kv_connector")

@@ -76,3 +76,29 @@ class KVCacheMetrics:
         self._born.clear()
         self._last_access.clear()
         self._released.clear()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache lookups, in tokens, counted once per admitted request.
+
+    Lookups of preempted requests coming back are counted apart, as vLLM does,
+    so that recomputation does not inflate ``vllm:prefix_cache_hits``.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits

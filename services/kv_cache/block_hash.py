@@ -24,7 +24,9 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-BlockHash = bytes | int  # bytes: sha256 digests; int: builtin hash()
+from services.protocol import BlockHash
+from services.registry import HASH_ALGORITHMS, load
+
 HashFn = Callable[[Any], BlockHash]
 
 _DEFAULT_SEED = "actorserve"
@@ -42,13 +44,6 @@ def sha256_cbor(obj: Any) -> bytes:
 
 def builtin_hash(obj: Any) -> int:
     return hash(obj)
-
-
-HASH_FUNCTIONS: dict[str, HashFn] = {
-    "sha256": sha256,
-    "sha256_cbor": sha256_cbor,
-    "builtin": builtin_hash,
-}
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -96,10 +91,8 @@ class BlockHasher:
     """
 
     def __init__(self, block_size: int, algo: str = "sha256") -> None:
-        if algo not in HASH_FUNCTIONS:
-            raise ValueError(f"unknown prefix caching hash algorithm {algo!r}")
         self.block_size = block_size
-        self.hash_fn = HASH_FUNCTIONS[algo]
+        self.hash_fn: HashFn = load("prefix caching hash algorithm", HASH_ALGORITHMS, algo)
         self.root: BlockHash = self.hash_fn(os.environ.get("PYTHONHASHSEED") or _DEFAULT_SEED)
 
     def hash_blocks(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from services.scheduler.block_hash import BlockHash
+from services.protocol import BlockHash
 
 
 class KVCacheBlock:

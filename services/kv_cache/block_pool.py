@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from services.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from services.scheduler.block_hash import BlockHash
-from services.scheduler.free_block_queue import FreeBlockQueue, KVCacheBlock
-from services.scheduler.kv_cache_metrics import KVCacheMetrics
-from services.scheduler.stats import PrefixCacheStats
+from services.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
+from services.kv_cache.metrics import KVCacheMetrics, PrefixCacheStats
+from services.protocol import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 
 NULL_BLOCK_ID = 0
 

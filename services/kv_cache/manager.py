@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.free_block_queue import KVCacheBlock
-from services.scheduler.kv_cache_metrics import KVCacheMetrics
-from services.scheduler.request import Request
+from services.kv_cache.block_pool import BlockPool
+from services.kv_cache.free_block_queue import KVCacheBlock
+from services.kv_cache.metrics import KVCacheMetrics
+from services.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

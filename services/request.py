@@ -4,16 +4,39 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from services import clock
-from services.protocol import PromptLogprobs, SamplingParams, TokenizedRequest, TokenLogprobs
-from services.scheduler.block_hash import BlockHash
+from services.protocol import (
+    BlockHash,
+    PromptLogprobs,
+    SamplingParams,
+    TokenizedRequest,
+    TokenLogprobs,
+)
 
 if TYPE_CHECKING:
-    from services.structured_output.backend import Matcher
+    import numpy as np
+
+
+class Matcher(Protocol):
+    """One request's place in its grammar (``services/structured_output`` implements it)."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and no move) if the grammar forbids it."""
+        ...
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (int32 words)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        ...
 
 
 class RequestStatus(enum.IntEnum):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from services.flags import ConfigError
 
-MODELS_DIR = Path(__file__).parent / "models"
+MODELS_DIR = Path(__file__).parent / "sim_models"
 _NOT_TOKENIZER = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
