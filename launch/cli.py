@@ -11,9 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.api_server.tool_calls import TOOL_CALL_PARSERS
-from services.config import ConfigError, EngineConfig, RequestLimits, add_engine_args
-from services.flags import add_flags, parse_size
+from services.config import ConfigError, EngineConfig, add_engine_args, add_serve_args
+from services.flags import parse_size
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -109,87 +108,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         metavar="MODEL",
         help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use in the 'model' field (default: the model argument)",
-    )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
-    p.add_argument(
-        "--max-num-queued-reqs",
-        type=int,
-        default=None,
-        help="answer 429 while more requests than this wait for the engine",
-    )
-    p.add_argument(
-        "--enable-request-id-headers",
-        action="store_true",
-        help="add an X-Request-Id header to every response (the request's own, or a new one)",
-    )
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="the chat template to use instead of the model's: a file, or the template itself "
-        "(vLLM's flag); deploy/chat_templates/ has a ChatML one with Hermes-style tool calls",
-    )
-    p.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='tool_choice "auto": the model decides to call tools, --tool-call-parser finds '
-        "the calls in its output",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=sorted(TOOL_CALL_PARSERS),
-        default=None,
-        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, Qwen "
-        "and many fine-tunes) or llama3_json (JSON objects, Llama 3.x)",
-    )
-    p.add_argument(
-        "--exclude-tools-when-tool-choice-none",
-        action="store_true",
-        help='with tool_choice "none", do not show the tools to the chat template',
-    )
-    p.add_argument(
-        "--enable-log-requests",
-        action="store_true",
-        help="log each request's prompt, token ids and sampling parameters (vLLM's flag; "
-        "off by default: the log holds no user text)",
-    )
-    p.add_argument(
-        "--enable-log-outputs",
-        action="store_true",
-        help="with --enable-log-requests: log each request's output text and token ids too",
-    )
-    p.add_argument(
-        "--max-log-len",
-        type=int,
-        default=None,
-        help="cut logged prompts and outputs to this many characters or token ids",
-    )
-    p.add_argument(
-        "--restart-on-failure",
-        action="store_true",
-        help="when an engine process (tokenizer, scheduler, worker, detokenizer) dies, restart "
-        "them all while the API server keeps its port and answers 503; without it the server "
-        "exits. In-flight requests end with an error.",
-    )
-    p.add_argument(
-        "--retry-waiting-on-restart",
-        action="store_true",
-        help="with --restart-on-failure: requests that had no output yet when the engine died "
-        "wait for the new engine and run there (once), instead of failing",
-    )
-    p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument(
         "--headless",
         action="store_true",
@@ -230,20 +148,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="vLLM's name for --kv-offload-bytes, in GiB",
     )
-    p.add_argument("--uvicorn-log-level", default="warning")
-    p.add_argument(
-        "--log-stats-interval",
-        type=float,
-        default=10.0,
-        help="seconds between the engine's stats log lines (default 10)",
-    )
-    p.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="no stats log line and no engine metrics (vllm:*) per step",
-    )
-    add_flags(p, "request limits", RequestLimits())
-    add_engine_args(p)
+    add_serve_args(p)
     p.set_defaults(func=_run_serve)
 
 

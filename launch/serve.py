@@ -21,13 +21,13 @@ accepting (503), lets in-flight requests finish for up to
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 
@@ -44,14 +44,13 @@ from services import clock
 from services.config import (
     ConfigError,
     Endpoints,
-    EngineConfig,
     KVEventPublisherInfo,
     ModelArchConfig,
     ParallelConfig,
-    RequestLimits,
     ServeConfig,
 )
 from services.config.kv_transfer import KVTransferConfig
+from services.config.serve import load_chat_template as load_chat_template
 from services.flags import parse_json_object
 from services.ipc import IpcDir, PullSocket, PushSocket
 from services.logging_utils import init_logger
@@ -488,23 +487,9 @@ def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: 
         endpoints.kv_events_replay = "auto" if endpoint == "auto" else None
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's text, or the value itself when it is no file but looks
-    like a template (vLLM's rule)."""
-    if value is None:
-        return None
-    try:
-        if Path(value).is_file():
-            return Path(value).read_text(encoding="utf-8")
-    except OSError:  # a long inline template is no file name
-        pass
-    if not any(mark in value for mark in ("{{", "{%")):
-        raise ConfigError(f"--chat-template: {value!r} is neither a file nor a template")
-    return value
-
-
-def run_server(args: object) -> int:
-    engine = EngineConfig.from_cli(args)  # type: ignore[arg-type]
+def run_server(args: argparse.Namespace) -> int:
+    config = ServeConfig.from_cli(args)
+    engine = config.engine
     flags = vars(args)
     offload = flags.get("kv_offload_bytes")
     if (gib := flags.get("kv_offloading_size")) is not None:
@@ -525,46 +510,13 @@ def run_server(args: object) -> int:
         setattr(endpoints, name, ipc.endpoint(name))
     kv_events_settings(endpoints, a.get("kv_events_endpoint"), a.get("kv_events_config"))
     cross_node_endpoints(endpoints, engine.parallel)
-    config = ServeConfig(
-        engine=engine,
-        endpoints=endpoints,
-        model_folder=str(folder),
-        served_model_names=a.get("served_model_name")
-        or [served_name(model, engine.worker.sim_model)],
-        host=a["host"],
-        port=a["port"],
-        api_key=a.get("api_key"),
-        shutdown_timeout=a["shutdown_timeout"],
-        max_num_queued_reqs=a.get("max_num_queued_reqs"),
-        limits=RequestLimits.from_cli(args),  # type: ignore[arg-type]
-        enable_request_id_headers=bool(a.get("enable_request_id_headers")),
-        chat_template=load_chat_template(a.get("chat_template")),
-        enable_auto_tool_choice=bool(a.get("enable_auto_tool_choice")),
-        tool_call_parser=a.get("tool_call_parser"),
-        exclude_tools_when_tool_choice_none=bool(a.get("exclude_tools_when_tool_choice_none")),
-        enable_log_requests=bool(a.get("enable_log_requests")),
-        enable_log_outputs=bool(a.get("enable_log_outputs")),
-        max_log_len=a.get("max_log_len"),
-        restart_on_failure=bool(a.get("restart_on_failure")),
-        retry_waiting_on_restart=bool(a.get("retry_waiting_on_restart")),
-        tokenizer_workers=a["tokenizer_workers"],
-        log_level=a["uvicorn_log_level"],
-        log_stats_interval=a.get("log_stats_interval") or 10.0,
-        disable_log_stats=bool(a.get("disable_log_stats")),
-    )
+    config.endpoints = endpoints
+    config.model_folder = str(folder)
+    if not config.served_model_names:
+        config.served_model_names = [served_name(model, engine.worker.sim_model)]
     if endpoints.kv_events is not None and not endpoints.kv_events_topic:
         # llm-d's convention: the topic names the replica and the model.
         endpoints.kv_events_topic = f"kv@{config.host}:{config.port}@{config.served_model_names[0]}"
-    if config.tokenizer_workers < 1:
-        raise ConfigError("--tokenizer-workers must be at least 1")
-    if config.enable_auto_tool_choice and config.tool_call_parser is None:
-        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
-    if config.log_stats_interval <= 0:
-        raise ConfigError("--log-stats-interval must be positive")
-    if config.enable_log_outputs and not config.enable_log_requests:
-        raise ConfigError("--enable-log-outputs needs --enable-log-requests")
-    if config.max_log_len is not None and config.max_log_len < 0:
-        raise ConfigError("--max-log-len must be at least 0")
     parallel = engine.parallel
     _check_headless(parallel, bool(a.get("headless")))
     _check_restart(config, bool(a.get("headless")))

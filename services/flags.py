@@ -53,9 +53,27 @@ def parse_json_object(flag: str, text: str, known_keys: set[str]) -> dict[str, A
 
 
 def flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
-    """Field metadata that makes a dataclass field a CLI flag: ``--field-name``, plus
-    ``aliases``, a ``type`` parser and ``choices`` when given."""
+    """Field metadata that makes a dataclass field a CLI flag: ``--field-name`` (or ``name``
+    when the flag's vLLM name is not the field's), plus ``aliases``, a ``type`` parser,
+    ``choices``, ``nargs`` and ``metavar`` when given."""
     return {"flag": {"help": help, **argparse_kwargs}}
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    """The flag of field ``f`` as the user types it (``--max-num-seqs``), for messages."""
+    return str(f.metadata.get("flag", {}).get("name") or f"--{f.name.replace('_', '-')}")
+
+
+def flag_fields(cls: Any) -> list[dataclasses.Field[Any]]:
+    """The fields of dataclass ``cls`` that are flags."""
+    return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def given_flags(cls: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of dataclass ``cls`` the user gave, by field name (an unset flag is None
+    and left out, so the dataclass default holds)."""
+    given = {f.name: getattr(args, f.name, None) for f in flag_fields(cls)}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def choices(registry: Any) -> tuple[str, ...]:
@@ -95,17 +113,20 @@ def check_choice(flag: str, value: object, choices: Any) -> None:
         raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def add_flags(parser: argparse.ArgumentParser, title: str, obj: Any) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser, title: str, obj: Any, description: str | None = None
+) -> None:
     """One argument group with a flag per field of dataclass ``obj`` that carries ``flag``
-    metadata. Every default is None ("not given"): the dataclass holds the real default,
-    shown in the help."""
-    group = parser.add_argument_group(title, (type(obj).__doc__ or "").splitlines()[0])
-    for f in dataclasses.fields(obj):
-        spec = f.metadata.get("flag")
-        if spec is None:
-            continue
-        spec = dict(spec)
-        names = [f"--{f.name.replace('_', '-')}", *spec.pop("aliases", ())]
+    metadata (described by ``description``, else the first line of the class's docstring).
+    Every default is None ("not given"): the dataclass holds the real default, shown in
+    the help."""
+    if description is None:
+        description = (type(obj).__doc__ or "").splitlines()[0]
+    group = parser.add_argument_group(title, description)
+    for f in flag_fields(obj):
+        spec = dict(f.metadata["flag"])
+        spec.pop("name", None)
+        names = [flag_name(f), *spec.pop("aliases", ())]
         default = getattr(obj, f.name)
         if default is not None and "default" not in spec["help"]:
             spec["help"] += f" (default: {default})"

@@ -42,9 +42,10 @@ RAW_SOCKETS: dict[str, str] = {
         "the subscriber side of that format (SUB, and a DEALER asking for replays), "
         "which reads vLLM's publishers too"
     ),
-    "services/kv_transfer/p2p.py": (
-        "the p2p side channel: ROUTER/DEALER with one frame per layer of raw KV bytes "
-        "(zero-copy buffers, not msgspec messages), between engines on different hosts"
+    "services/kv_transfer/side_channel.py": (
+        "the p2p side channel: ROUTER/DEALER with a header and then raw frames (one per "
+        "layer's K or V bytes for the zmq transport; zero-copy buffers, not msgspec "
+        "messages), between engines on different hosts"
     ),
 }
 

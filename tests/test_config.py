@@ -1,5 +1,6 @@
 """What EngineConfig.finalize derives from the model and the device: the default token
-budget (--max-num-batched-tokens) and max_model_len."""
+budget (--max-num-batched-tokens) and max_model_len; the server's flags as ServeConfig
+fields (listed, read back typed, checked with the same messages)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,95 @@ def test_engine_arguments_are_typed(kwargs: dict, expected) -> None:
 def test_data_parallel_needs_a_hash_every_process_computes_alike() -> None:
     with pytest.raises(ConfigError, match="builtin hashes differ from process to process"):
         EngineConfig.from_kwargs(data_parallel_size=2, prefix_caching_hash_algo="builtin")
+
+
+def _serve_config(*argv: str):
+    from launch.cli import build_parser
+    from services.config import ServeConfig
+
+    return ServeConfig.from_cli(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_server_field_with_flag_metadata_is_a_serve_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A ServeConfig or RequestLimits field with flag(...) metadata is in ``actorserve serve
+    --help`` under its flag name (the field's, or vLLM's when it differs)."""
+    import re
+
+    from launch.cli import main
+    from services.config import RequestLimits, ServeConfig
+    from services.flags import flag_fields, flag_name
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    listed = set(re.findall(r"--[a-z0-9-]+", capsys.readouterr().out))
+    names = {flag_name(f) for cls in (ServeConfig, RequestLimits) for f in flag_fields(cls)}
+    assert {"--served-model-name", "--uvicorn-log-level", "--api-key", "--max-n"} <= names
+    assert names <= listed, names - listed
+
+
+@pytest.mark.parametrize(
+    "argv, path, expected",
+    [
+        ([], ("port",), 8000),
+        (["--port", "9001"], ("port",), 9001),
+        (["--host", "0.0.0.0"], ("host",), "0.0.0.0"),
+        (["--served-model-name", "a", "b"], ("served_model_names",), ["a", "b"]),
+        (["--api-key", "k"], ("api_key",), "k"),
+        (["--shutdown-timeout", "2.5"], ("shutdown_timeout",), 2.5),
+        (["--enable-request-id-headers"], ("enable_request_id_headers",), True),
+        (["--uvicorn-log-level", "debug"], ("log_level",), "debug"),
+        ([], ("log_level",), "warning"),
+        (["--enable-log-requests", "--enable-log-outputs"], ("enable_log_outputs",), True),
+        (["--tool-call-parser", "hermes"], ("tool_call_parser",), "hermes"),
+        (["--chat-template", "{{ messages }}"], ("chat_template",), "{{ messages }}"),
+        (["--max-request-body-bytes", "1MiB"], ("limits", "max_request_body_bytes"), 1 << 20),
+        (["--max-n", "4"], ("limits", "max_n"), 4),
+        (["--max-num-seqs", "7"], ("engine", "scheduler", "max_num_seqs"), 7),
+    ],
+)
+def test_serve_flags_round_trip(argv: list[str], path: tuple[str, ...], expected) -> None:
+    """parse -> ServeConfig.from_cli -> the field holds the flag's value, typed."""
+    value = _serve_config(*argv)
+    for name in path:
+        value = getattr(value, name)
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tokenizer-workers", "0"], "--tokenizer-workers must be at least 1"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (["--log-stats-interval", "-1"], "--log-stats-interval must be positive"),
+        (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
+        (["--max-log-len", "-1"], "--max-log-len must be at least 0"),
+        (["--max-n", "0"], "--max-n must be at least 1"),
+        (["--stream-send-timeout", "nan"], "--stream-send-timeout must be a positive number"),
+        (["--max-logprobs", "-2"], "--max-logprobs must be -1"),
+        (["--chat-template", "no/such/file.jinja"], "neither a file nor a template"),
+    ],
+)
+def test_bad_serve_flag_is_a_clear_error(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _serve_config(*argv)
+
+
+def test_bad_serve_flag_exits_with_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI prints the validation error as one ``error:`` line and exits 2."""
+    from launch.cli import main
+
+    assert main(["serve", "--tokenizer-workers", "0", "--load-format", "dummy"]) == 2
+    assert capsys.readouterr().err == "error: --tokenizer-workers must be at least 1\n"
+    with pytest.raises(SystemExit) as e:  # a value of the wrong type: argparse's own error
+        main(["serve", "--port", "eighty"])
+    assert e.value.code == 2 and "--port: invalid int value: 'eighty'" in capsys.readouterr().err
+
+
+def test_tool_call_parser_names_match_the_parsers() -> None:
+    """Configuration lists the parsers by name (it cannot import the api_server)."""
+    from services.api_server.tool_calls import TOOL_CALL_PARSERS
+    from services.config.serve import TOOL_CALL_PARSER_NAMES
+
+    assert sorted(TOOL_CALL_PARSER_NAMES) == sorted(TOOL_CALL_PARSERS)

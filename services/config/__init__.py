@@ -21,6 +21,7 @@ from services.config.serve import (
     KVEventPublisherInfo,
     RequestLimits,
     ServeConfig,
+    add_serve_args,
 )
 from services.flags import ConfigError
 from services.model_arch import ModelArchConfig
@@ -43,4 +44,5 @@ __all__ = [
     "ServeConfig",
     "StructuredOutputsConfig",
     "add_engine_args",
+    "add_serve_args",
 ]

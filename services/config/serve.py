@@ -1,4 +1,9 @@
-"""The server's configuration: its endpoints, request limits and the engine's config."""
+"""The server's configuration: its endpoints, request limits and the engine's config.
+
+The server's flags are fields, as the engine's are: ``flag(...)`` metadata on a field of
+``ServeConfig`` or ``RequestLimits`` makes it a flag of ``actorserve serve``
+(``add_serve_args``), read back by ``from_cli`` and checked by ``validate``.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,18 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
-from services.config.engine import EngineConfig
-from services.flags import ConfigError, flag, parse_size
+from services.config.engine import EngineConfig, add_engine_args
+from services.flags import (
+    ConfigError,
+    add_flags,
+    check_choice,
+    flag,
+    flag_name,
+    given_flags,
+    parse_size,
+)
 from services.protocol import DEFAULT_MAX_LOGPROBS
 
 
@@ -131,52 +145,198 @@ class RequestLimits:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> RequestLimits:
-        given = {f.name: getattr(args, f.name, None) for f in fields(cls)}
-        limits = cls(**{k: v for k, v in given.items() if v is not None})
-        counts = [f.name for f in fields(cls) if f.type == "int" and f.name != "max_logprobs"]
-        for name in counts:
-            if getattr(limits, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if limits.max_logprobs < -1:
-            raise ConfigError("--max-logprobs must be -1 (the vocabulary size) or at least 0")
-        for name in ("chat_template_render_timeout", "stream_send_timeout"):
-            if not (math.isfinite(getattr(limits, name)) and getattr(limits, name) > 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number")
+        limits = cls(**given_flags(cls, args))
+        limits.validate()
         return limits
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and f.name != "max_logprobs" and value < 1:
+                raise ConfigError(f"{flag_name(f)} must be at least 1")
+            if f.type == "float" and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag_name(f)} must be a positive number")
+        if self.max_logprobs < -1:
+            raise ConfigError("--max-logprobs must be -1 (the vocabulary size) or at least 0")
+
+
+# services/api_server/tool_calls.py's TOOL_CALL_PARSERS, by name: configuration sits below
+# the api_server and cannot import it (tests/test_config.py checks the two agree).
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
 
 
 @dataclass
 class ServeConfig:
-    """Everything a server's processes need; the launcher hands it to each child as JSON."""
+    """Everything a server's processes need; the launcher hands it to each child as JSON.
+
+    A field with ``flag(...)`` metadata is one of ``actorserve serve``'s own flags (vLLM's
+    name): ``add_serve_args`` lists it, ``from_cli`` reads it back and ``validate`` checks it.
+    """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     endpoints: Endpoints = field(default_factory=Endpoints)
     model_folder: str = ""  # the prepared HF-style folder (GGUF already converted)
-    served_model_names: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    shutdown_timeout: float = 30.0
-    max_num_queued_reqs: int | None = None
+    served_model_names: list[str] = field(
+        default_factory=list,
+        metadata=flag(
+            "name(s) clients use in the 'model' field (default: the model argument)",
+            name="--served-model-name",
+            nargs="+",
+            metavar="SERVED_MODEL_NAME",
+        ),
+    )
+    host: str = field(default="127.0.0.1", metadata=flag("address to bind (default: loopback)"))
+    port: int = field(default=8000, metadata=flag("port to bind"))
+    api_key: str | None = field(default=None, metadata=flag("require 'Authorization: Bearer KEY'"))
+    shutdown_timeout: float = field(
+        default=30.0, metadata=flag("seconds in-flight requests get to finish after SIGTERM")
+    )
+    max_num_queued_reqs: int | None = field(
+        default=None,
+        metadata=flag("answer 429 while more requests than this wait for the engine"),
+    )
     limits: RequestLimits = field(default_factory=RequestLimits)
-    enable_request_id_headers: bool = False
-    chat_template: str | None = None  # --chat-template, the text (read from its file)
+    enable_request_id_headers: bool = field(
+        default=False,
+        metadata=flag(
+            "add an X-Request-Id header to every response (the request's own, or a new one)"
+        ),
+    )
+    # --chat-template names a file or is the template; the field holds the text (from_cli)
+    chat_template: str | None = field(
+        default=None,
+        metadata=flag(
+            "the chat template to use instead of the model's: a file, or the template itself "
+            "(vLLM's flag); deploy/chat_templates/ has a ChatML one with Hermes-style tool "
+            "calls"
+        ),
+    )
     # tool calling: tool_choice "auto" and the parser that finds the calls in the output
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    exclude_tools_when_tool_choice_none: bool = False
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata=flag(
+            'tool_choice "auto": the model decides to call tools, --tool-call-parser finds '
+            "the calls in its output"
+        ),
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, Qwen "
+            "and many fine-tunes) or llama3_json (JSON objects, Llama 3.x)",
+            choices=sorted(TOOL_CALL_PARSER_NAMES),
+        ),
+    )
+    exclude_tools_when_tool_choice_none: bool = field(
+        default=False,
+        metadata=flag('with tool_choice "none", do not show the tools to the chat template'),
+    )
     # --restart-on-failure: a dead engine process restarts the engine group, the port stays
-    restart_on_failure: bool = False
-    retry_waiting_on_restart: bool = False  # requests with no output yet go to the new engine
-    tokenizer_workers: int = 1
+    restart_on_failure: bool = field(
+        default=False,
+        metadata=flag(
+            "when an engine process (tokenizer, scheduler, worker, detokenizer) dies, restart "
+            "them all while the API server keeps its port and answers 503; without it the "
+            "server exits. In-flight requests end with an error."
+        ),
+    )
+    retry_waiting_on_restart: bool = field(
+        default=False,
+        metadata=flag(
+            "with --restart-on-failure: requests that had no output yet when the engine died "
+            "wait for the new engine and run there (once), instead of failing"
+        ),
+    )
+    tokenizer_workers: int = field(
+        default=1, metadata=flag("tokenizer processes in front of the engine")
+    )
     # vLLM's request logging: prompts (and outputs) in the log only when asked for
-    enable_log_requests: bool = False
-    enable_log_outputs: bool = False
-    max_log_len: int | None = None
+    enable_log_requests: bool = field(
+        default=False,
+        metadata=flag(
+            "log each request's prompt, token ids and sampling parameters (vLLM's flag; "
+            "off by default: the log holds no user text)"
+        ),
+    )
+    enable_log_outputs: bool = field(
+        default=False,
+        metadata=flag(
+            "with --enable-log-requests: log each request's output text and token ids too"
+        ),
+    )
+    max_log_len: int | None = field(
+        default=None,
+        metadata=flag("cut logged prompts and outputs to this many characters or token ids"),
+    )
     num_blocks: int = 0  # measured by the worker, given to the scheduler
     kv_block_bytes: int = 0  # one block's bytes over all ranks of an engine (workers report)
-    log_level: str = "info"
+    log_level: str = field(
+        default="warning",
+        metadata=flag(
+            "the HTTP server's (uvicorn's) log level",
+            name="--uvicorn-log-level",
+            metavar="UVICORN_LOG_LEVEL",
+        ),
+    )
     # metrics (services/metrics/): the periodic stats line, and vLLM's switch for engine stats
-    log_stats_interval: float = 10.0
-    disable_log_stats: bool = False
+    log_stats_interval: float = field(
+        default=10.0, metadata=flag("seconds between the engine's stats log lines")
+    )
+    disable_log_stats: bool = field(
+        default=False,
+        metadata=flag("no stats log line and no engine metrics (vllm:*) per step"),
+    )
     kv_event_publishers: list[KVEventPublisherInfo] = field(default_factory=list)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> ServeConfig:
+        """``actorserve serve``'s configuration from its flags: the engine's, the request
+        limits and the server's own fields (a flag not given keeps the default), validated.
+        The launcher fills in what is measured or bound at start-up (endpoints, model
+        folder, blocks) and the served name when none was given."""
+        config = cls(
+            engine=EngineConfig.from_cli(args),
+            limits=RequestLimits.from_cli(args),
+            **given_flags(cls, args),
+        )
+        config.chat_template = load_chat_template(config.chat_template)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """The server's own flags, each alone and against each other (ConfigError)."""
+        if self.tool_call_parser is not None:
+            check_choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSER_NAMES)
+        if self.tokenizer_workers < 1:
+            raise ConfigError("--tokenizer-workers must be at least 1")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+        if not self.log_stats_interval > 0:
+            raise ConfigError("--log-stats-interval must be positive")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ConfigError("--enable-log-outputs needs --enable-log-requests")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ConfigError("--max-log-len must be at least 0")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is no file but looks
+    like a template (vLLM's rule)."""
+    if value is None:
+        return None
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text(encoding="utf-8")
+    except OSError:  # a long inline template is no file name
+        pass
+    if not any(mark in value for mark in ("{{", "{%")):
+        raise ConfigError(f"--chat-template: {value!r} is neither a file nor a template")
+    return value
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """``actorserve serve``'s flags from the configuration: the server's own, the request
+    limits and the engine's (one group per section)."""
+    add_flags(parser, "server", ServeConfig(), "the API server and its processes")
+    add_flags(parser, "request limits", RequestLimits())
+    add_engine_args(parser)

@@ -1,4 +1,4 @@
-"""NIXL as p2p's data path (``kv_connector_extra_config.transport: "nixl"``).
+"""NIXL as p2p's transport (``kv_connector_extra_config.transport: "nixl"``).
 
 The side channel (holds, leases, generation checks, renewals, the release) stays as it is;
 only the bytes move differently. Each worker rank registers its KV cache tensors with a
@@ -25,10 +25,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from services.flags import ConfigError
-from services.protocol import KVPullNixl
+from services.kv_transfer.transport import PullFailed
+from services.kv_transfer.zmq_transport import ZmqTransport
+from services.protocol import KVPull, KVPullNixl, KVPullRefused, P2PLoad
 
 if TYPE_CHECKING:
     import torch
+
+    from services.kv_transfer.side_channel import PullChannel, Reply
 
 logger = logging.getLogger(__name__)
 _MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
@@ -155,6 +159,45 @@ class NixlAgent:
         if state == "ERR":
             raise NixlError("the read failed")
         return sum(size * len(local_block_ids) for size in self.block_bytes)
+
+
+class NixlTransport(ZmqTransport):
+    """NIXL's transport: a NIXL pull is answered with where the blocks are and READ by the
+    puller; a ZeroMQ pull is still served as ZeroMQ's transport serves it."""
+
+    name = "nixl"
+
+    def __init__(
+        self,
+        agent_name: str,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        pull_timeout_s: float,
+    ) -> None:
+        super().__init__(kv_caches, pull_timeout_s)
+        self.agent = NixlAgent(agent_name, kv_caches)
+
+    def serve(self, reply: Reply, pull: KVPull) -> None:
+        if pull.transport == "nixl":
+            reply.send(self.agent.describe())
+        else:
+            super().serve(reply, pull)
+
+    def pull(self, channel: PullChannel, load: P2PLoad, cancelled: Callable[[], bool]) -> int:
+        """Ask where the held blocks are, then READ them over NIXL."""
+        got = channel.recv(self.pull_timeout_s)
+        if got is None:
+            raise PullFailed(f"no answer from the prefill instance in {self.pull_timeout_s:g} s")
+        reply = got[0]
+        if isinstance(reply, KVPullRefused):
+            raise PullFailed(f"refused: {reply.reason}")
+        if not isinstance(reply, KVPullNixl):
+            raise PullFailed(f"expected where the blocks are, got {type(reply).__name__}")
+        try:
+            return self.agent.read(
+                reply, load.remote_block_ids, load.block_ids, self.pull_timeout_s, cancelled
+            )
+        except NixlError as e:
+            raise PullFailed(f"NIXL: {e}") from None
 
 
 def _runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
