@@ -34,7 +34,9 @@ def free_port() -> int:
 class _Process:
     """A command in its own session, logging to a temporary file."""
 
-    def __init__(self, cmd: list[str], pin: str | None = None, name: str = "proc") -> None:
+    def __init__(
+        self, cmd: list[str], pin: str | None = None, name: str = "proc", cwd: Path = REPO
+    ) -> None:
         if pin is not None:
             if shutil.which("taskset") is None:
                 raise RuntimeError("pinning needs taskset (util-linux)")
@@ -42,7 +44,7 @@ class _Process:
         self.port = int(cmd[cmd.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)  # noqa: SIM115
-        self.popen = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+        self.popen = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
     def wait_ready(self, timeout_s: float = 240) -> None:

@@ -9,6 +9,10 @@ The scheduler -> worker traffic follows vLLM v1's SchedulerOutput: a request's
 prompt and sampling parameters travel once (``NewRequest``); later steps carry
 only deltas (new block ids, scheduled token counts, finished ids). Workers keep
 a persistent batch keyed by request id.
+
+It stays whole because it is the wire format: every message on every socket in one
+module, so a reader sees all traffic between the processes in one place (vLLM keeps its
+engine messages together the same way) and no process imports another's code to talk to it.
 """
 
 from __future__ import annotations
@@ -668,7 +672,7 @@ class EngineNodeDown(msgspec.Struct, **_TAGGED):
 EngineNodeMessage = EngineNodeHello | EngineNodeStatus | EngineNodeDown
 
 
-# ---- KV transfer, p2p connector (services/kv_transfer/p2p.py)
+# ---- KV transfer, p2p connector (services/kv_transfer/p2p/, side_channel.py)
 #   scheduler -StepPlan.kv_connector_metadata (P2PMetadata)-> its worker ranks
 #   decode worker rank r -DEALER KVSideChannelInput-> prefill worker rank r (ROUTER, side channel)
 #   prefill rank r -> decode rank r: KVPullLayer + 2 raw frames (K, V) per layer it covers, or

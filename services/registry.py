@@ -6,7 +6,8 @@ part that lives in a higher one at run time, without an import that runs upward:
 ``load("worker backend", WORKER_BACKENDS, name)`` imports the module only when it
 is chosen, so choosing a backend never drags another's dependencies (triton,
 CUDA, NIXL) into a process. Adding a worker backend, an attention backend, a KV
-connector, a hash or a scheduling policy is one new module and one line here.
+connector, a grammar engine, a hash or a scheduling policy is one new module and one
+line here.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ KV_CONNECTORS: dict[str, tuple[str, str]] = {
         "services.kv_transfer.multi:MultiConnectorScheduler",
         "services.kv_transfer.multi:MultiConnectorWorker",
     ),
+}
+
+# --structured-outputs-config '{"backend": NAME}': grammar engines ("auto" picks one of them).
+GRAMMAR_BACKENDS: dict[str, str] = {
+    "xgrammar": "services.structured_output.xgrammar_backend:XgrammarBackend",
+    "guidance": "services.structured_output.guidance_backend:GuidanceBackend",
 }
 
 # --prefix-caching-hash-algo: the block hash (services/kv_cache/block_hash.py).

@@ -307,10 +307,10 @@ def test_source_follows_the_file_prepared_last(tmp_path: Path) -> None:
 
 def test_fused_decode_layers_refuses_a_bad_slot() -> None:
     """A slot outside the cache is a clear error, not a write past it."""
-    from services.gpu_worker.model.llama import _FusedWeights
+    from services.gpu_worker.model.fused_decode import FusedDecodeWeights
 
     model = _load(prepare_model(None), quantized=True)
-    fused = _FusedWeights.of(model.model)
+    fused = FusedDecodeWeights.of(model.model)
     assert fused is not None
     arch = model.arch
     caches = [torch.zeros(2, 16, arch.num_key_value_heads, arch.head_dim)] * arch.num_hidden_layers

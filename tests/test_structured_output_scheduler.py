@@ -16,13 +16,9 @@ import pytest
 
 from services.config import StructuredOutputsConfig
 from services.protocol import SamplingParams, StepPlan, StructuredOutputsParams
+from services.registry import GRAMMAR_BACKENDS
 from services.request import Request, RequestStatus
-from services.structured_output.backend import (
-    BACKENDS,
-    Constraint,
-    GrammarError,
-    VocabInfo,
-)
+from services.structured_output.backend import Constraint, GrammarError, VocabInfo
 from services.structured_output.bitmask import bitmask_rows
 from services.structured_output.manager import StructuredOutputManager
 from tests.test_scheduler import EOS, VOCAB, SimWorker, make_request, make_scheduler, step
@@ -79,12 +75,11 @@ class FakeBackend:
 
 
 @pytest.fixture(autouse=True)
-def fake_backend():
-    BACKENDS["fake"] = FakeBackend  # type: ignore[assignment]
+def fake_backend(monkeypatch: pytest.MonkeyPatch):
+    """A grammar engine registered by name, as a real one is (services/registry.py)."""
+    monkeypatch.setitem(GRAMMAR_BACKENDS, "fake", f"{__name__}:FakeBackend")
     FakeBackend.gate.set()
     FakeBackend.compiled.clear()
-    yield
-    del BACKENDS["fake"]
 
 
 class GrammarWorker(SimWorker):

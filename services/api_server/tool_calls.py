@@ -16,6 +16,8 @@ Each is a ``CallStream``: fed the text of one choice as it arrives, it returns e
 content to show, the start of a call (its index, id and name), and pieces of a call's
 arguments as the model writes them, so streamed and whole responses are built from the
 same events and always agree. Arguments are the model's own JSON text, not re-serialised.
+It stays whole because the parsers, the schemas that force calls and ``ToolCalling`` (what a
+request asked for) share one event model and one JSON scanner.
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ what is wrong (a 400 for the request).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import tokenizers
 
+from services.registry import GRAMMAR_BACKENDS, resolve
 from services.request import Matcher
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -67,44 +67,22 @@ class VocabInfo:
     stop_token_ids: tuple[int, ...]
 
 
-BACKENDS: dict[str, type[GrammarBackend]] = {}
-
-
-def register_backend(name: str) -> Callable[[type[GrammarBackend]], type[GrammarBackend]]:
-    def add(cls: type[GrammarBackend]) -> type[GrammarBackend]:
-        BACKENDS[name] = cls
-        return cls
-
-    return add
-
-
 def backend_class(name: str) -> type[GrammarBackend]:
-    """The backend registered as ``name``; its module is imported on first use (xgrammar's
-    import brings torch and transformers: ~2 s and ~300 MB, paid only by the processes that
-    see a constrained request)."""
-    if name not in BACKENDS:
-        import importlib
-
-        module = _MODULES.get(name)
-        if module is not None:
-            try:
-                importlib.import_module(module)
-            except ImportError as e:
-                raise GrammarError(
-                    f"the {name!r} structured outputs backend needs a package that is not "
-                    f"installed: {e}"
-                ) from None
-    if name not in BACKENDS:
+    """The grammar backend registered as ``name`` in ``services/registry.py``; its module is
+    imported on first use (xgrammar's import brings torch and transformers: ~2 s and
+    ~300 MB, paid only by the processes that see a constrained request)."""
+    if name not in GRAMMAR_BACKENDS:
         raise GrammarError(
-            f"unknown structured outputs backend {name!r}; known: {', '.join(sorted(_MODULES))}"
+            f"unknown structured outputs backend {name!r}; known: "
+            f"{', '.join(sorted(GRAMMAR_BACKENDS))}"
         )
-    return BACKENDS[name]
-
-
-_MODULES = {
-    "xgrammar": "services.structured_output.xgrammar_backend",
-    "guidance": "services.structured_output.guidance_backend",
-}
+    try:
+        cls: type[GrammarBackend] = resolve(GRAMMAR_BACKENDS[name])
+    except ImportError as e:
+        raise GrammarError(
+            f"the {name!r} structured outputs backend needs a package that is not installed: {e}"
+        ) from None
+    return cls
 
 
 def load_backend(name: str, vocab: VocabInfo) -> GrammarBackend:

@@ -16,7 +16,6 @@ from services.structured_output.backend import (
     GrammarError,
     VocabInfo,
     choices,
-    register_backend,
 )
 
 
@@ -72,7 +71,6 @@ class GuidanceMatcher:
         return self._terminated
 
 
-@register_backend("guidance")
 class GuidanceBackend:
     def __init__(self, vocab: VocabInfo) -> None:
         self.vocab_size = vocab.vocab_size

@@ -15,7 +15,6 @@ from services.structured_output.backend import (
     GrammarError,
     VocabInfo,
     choices,
-    register_backend,
 )
 
 # "[12:23:47] /project/cpp/regex_converter.cc:94: " in front of xgrammar's C++ messages
@@ -108,7 +107,6 @@ def _invalid(c: Constraint, e: Exception) -> GrammarError:
     return GrammarError(f"Invalid {c.kind} for structured outputs: {_message(e)}")
 
 
-@register_backend("xgrammar")
 class XgrammarBackend:
     def __init__(self, vocab: VocabInfo, max_threads: int = 2) -> None:
         self.vocab_size = vocab.vocab_size

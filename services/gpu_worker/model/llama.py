@@ -26,7 +26,6 @@ for the next one, which takes them as ``intermediate``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from torch import nn
 from services.config import ModelArchConfig
 from services.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState
+from services.gpu_worker.model.fused_decode import FusedDecodeWeights, fused_decode_layers
 from services.gpu_worker.model.layers import (
     Linear,
     QuantWeight,
@@ -212,11 +212,11 @@ class LlamaModel(nn.Module):
     # A decode step's layers in one C++ call (actorserve_kernels/cpu/decode_layers.cpp) when the model
     # and the batch allow it; ``fused_decode = False`` keeps the Python layers (tests).
     fused_decode = True
-    _fused: _FusedWeights | None | bool = False  # False: not decided yet
+    _fused: FusedDecodeWeights | None | bool = False  # False: not decided yet
 
     def _fused_decode_args(
         self, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> _FusedWeights | None:
+    ) -> FusedDecodeWeights | None:
         tokens = hidden.shape[0]
         if (
             not self.fused_decode
@@ -226,8 +226,8 @@ class LlamaModel(nn.Module):
         ):
             return None
         if self._fused is False:
-            self._fused = _FusedWeights.of(self)
-        return self._fused if isinstance(self._fused, _FusedWeights) else None
+            self._fused = FusedDecodeWeights.of(self)
+        return self._fused if isinstance(self._fused, FusedDecodeWeights) else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -491,82 +491,3 @@ def _pad_rows(blocks: GGUFBlocks, rows: int) -> GGUFBlocks:
         return blocks
     data = torch.cat([blocks.data, blocks.data.new_zeros(extra, blocks.data.shape[1])])
     return GGUFBlocks(data, blocks.ggml_type, (rows, blocks.shape[1]))
-
-
-@dataclass(frozen=True)
-class _FusedWeights:
-    """What ``decode_layers`` needs from a model, gathered once."""
-
-    weights: list[torch.Tensor]
-    types: list[int]
-    dims: list[int]
-    num_heads: int
-    num_kv_heads: int
-    eps: float
-    scale: float
-
-    @classmethod
-    def of(cls, model: LlamaModel) -> _FusedWeights | None:
-        """The model's layers as ``decode_layers`` reads them, or None when it cannot run
-        them: another rank or stage, a dense or unquantized linear, q/k norms, no C++ op."""
-        from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
-        from services.gpu_worker.model.layers import _cpu_op
-
-        p = model.parallel
-        if (
-            p.tp_size != 1
-            or not (p.is_first_stage and p.is_last_stage)
-            or _cpu_op("decode_layers") is None
-        ):
-            return None
-        weights: list[torch.Tensor] = []
-        types: list[int] = []
-        for layer in model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            quants = [lin.quant for lin in linears]
-            backend = attn.attn
-            if (
-                attn.q_norm is not None
-                or not isinstance(backend, TorchAttentionBackend)
-                or backend.head_dim not in (64, 128)
-                or any(q is None for q in quants)
-                or any(lin.bias is not None for lin in linears[1:])
-            ):
-                return None
-            qkv, o, gate_up, down = (q for q in quants if q is not None)
-            bias = attn.qkv_proj.bias
-            weights += [layer.input_layernorm.weight, qkv.packed,
-                        bias if bias is not None else qkv.packed.new_empty(0, dtype=torch.float32),
-                        o.packed, layer.post_attention_layernorm.weight, gate_up.packed, down.packed]  # fmt: skip
-            types += [qkv.ggml_type, o.ggml_type, gate_up.ggml_type, down.ggml_type]
-        first = model.layers[0]
-        assert isinstance(first, LlamaDecoderLayer)
-        a, m = first.self_attn, first.mlp
-        dims = [
-            a.q_size + 2 * a.kv_size,
-            a.o_proj.out_features,
-            2 * m.intermediate_size,
-            m.down_proj.out_features,
-        ]
-        eps = first.input_layernorm.eps
-        return cls(weights, types, dims, a.num_heads, a.num_kv_heads, eps, a.head_dim**-0.5)
-
-
-def fused_decode_layers(
-    hidden: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
-    kv_caches: list[KVCache],
-    meta: AttentionMetadata,
-    fused: _FusedWeights,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer of a decode-only step through ``decode_layers``: (hidden, residual)."""
-    from actorserve_kernels.cpu import decode_layers
-
-    return decode_layers(
-        hidden.contiguous(), fused.weights, fused.types, fused.dims,
-        [k for k, _ in kv_caches], [v for _, v in kv_caches],
-        meta.block_table, meta.slot_mapping, meta.seq_lens_cpu.long(), cos_sin[0], cos_sin[1],
-        fused.num_heads, fused.num_kv_heads, fused.eps, fused.scale,
-    )  # fmt: skip
