@@ -6,8 +6,8 @@ part that lives in a higher one at run time, without an import that runs upward:
 ``load("worker backend", WORKER_BACKENDS, name)`` imports the module only when it
 is chosen, so choosing a backend never drags another's dependencies (triton,
 CUDA, NIXL) into a process. Adding a worker backend, an attention backend, a KV
-connector, a grammar engine, a hash or a scheduling policy is one new module and one
-line here.
+connector, a grammar engine, a tool-call parser, a hash or a scheduling policy is one
+new module and one line here.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ KV_CONNECTORS: dict[str, tuple[str, str]] = {
 GRAMMAR_BACKENDS: dict[str, str] = {
     "xgrammar": "services.structured_output.xgrammar_backend:XgrammarBackend",
     "guidance": "services.structured_output.guidance_backend:GuidanceBackend",
+}
+
+# --tool-call-parser: how "auto" tool choice finds calls in a chat completion's text.
+TOOL_CALL_PARSERS: dict[str, str] = {
+    "hermes": "services.api_server.tool_calls:HermesCalls",
+    "llama3_json": "services.api_server.tool_calls:Llama3JsonCalls",
 }
 
 # --prefix-caching-hash-algo: the block hash (services/kv_cache/block_hash.py).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from services import registry
 from services.config import ConfigError, EngineConfig, ModelArchConfig
 
 
@@ -179,9 +180,32 @@ def test_bad_serve_flag_exits_with_one_error_line(capsys: pytest.CaptureFixture[
     assert e.value.code == 2 and "--port: invalid int value: 'eighty'" in capsys.readouterr().err
 
 
-def test_tool_call_parser_names_match_the_parsers() -> None:
-    """Configuration lists the parsers by name (it cannot import the api_server)."""
-    from services.api_server.tool_calls import TOOL_CALL_PARSERS
-    from services.config.serve import TOOL_CALL_PARSER_NAMES
+def test_every_registered_part_resolves() -> None:
+    """Each name in services/registry.py (what the flags accept) imports as what it claims."""
+    from services.api_server.tool_calls import CallStream
+    from services.gpu_worker.attention.base import AttentionBackend
+    from services.gpu_worker.base import WorkerBackend
+    from services.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
-    assert sorted(TOOL_CALL_PARSER_NAMES) == sorted(TOOL_CALL_PARSERS)
+    classes = [
+        (registry.WORKER_BACKENDS, WorkerBackend),
+        (registry.ATTENTION_BACKENDS, AttentionBackend),
+        (registry.TOOL_CALL_PARSERS, CallStream),
+    ]
+    for names, base in classes:
+        for target in names.values():
+            assert issubclass(registry.resolve(target), base), target
+    for scheduler_half, worker_half in registry.KV_CONNECTORS.values():
+        assert issubclass(registry.resolve(scheduler_half), KVConnectorScheduler)
+        assert issubclass(registry.resolve(worker_half), KVConnectorWorker)
+    for target in registry.SCHEDULING_POLICIES.values():
+        queue = registry.resolve(target)()
+        assert len(queue) == 0 and callable(queue.add) and callable(queue.pop)
+    for target in registry.HASH_ALGORITHMS.values():
+        assert registry.resolve(target)((None, (1, 2, 3))) == registry.resolve(target)(
+            (None, (1, 2, 3))
+        )
+    for target in registry.GRAMMAR_BACKENDS.values():
+        assert hasattr(registry.resolve(target), "matcher"), target
+    with pytest.raises(ValueError, match="unknown worker backend 'nope'; choose one of torch"):
+        registry.load("worker backend", registry.WORKER_BACKENDS, "nope")

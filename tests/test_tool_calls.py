@@ -25,6 +25,7 @@ from services.api_server.tool_calls import (
     NamedCall,
     RequiredCalls,
     ToolCalling,
+    parser_class,
     required_schema,
 )
 from services.config import ConfigError
@@ -132,7 +133,7 @@ PIECES = [*'{}[]",:\\ ab<>/_|', "<tool_call>", "</tool_call>", '"name"', '"argum
 @given(text=st.lists(st.sampled_from(PIECES), max_size=60).map("".join), cuts=cuts)
 def test_any_text_is_handled(text, cuts):
     """Broken, truncated or hostile output never raises; calls found have a name."""
-    for make in [RequiredCalls, *TOOL_CALL_PARSERS.values(), lambda: NamedCall("f")]:
+    for make in [RequiredCalls, *map(parser_class, TOOL_CALL_PARSERS), lambda: NamedCall("f")]:
         stream = feed_in_pieces(make(), text, cuts)
         assert all(isinstance(c.name, str) for c in stream.calls)
 
@@ -270,7 +271,8 @@ def test_required_schema_moves_defs_up_and_fills_empty_parameters():
 def test_a_held_back_chunk_still_carries_its_token_ids():
     import asyncio
 
-    from services.api_server import serving
+    from services.api_server.serving import ResponseContext
+    from services.api_server.serving_chat import chat_stream
     from services.protocol import TextDelta
 
     pieces = ["<tool", '_call>{"name": "f", "arguments": {}}', "</tool_call>"]
@@ -282,10 +284,10 @@ def test_a_held_back_chunk_still_carries_its_token_ids():
                                prompt_token_ids=[1, 2] if i == 0 else None)  # fmt: skip
 
     async def collect():
-        ctx = serving.ResponseContext("c", 0, "m", 1, return_token_ids=True)
+        ctx = ResponseContext("c", 0, "m", 1, return_token_ids=True)
         tools = ToolCalling(None, "hermes")
-        return [c async for c in serving.chat_stream(ctx, deltas(), want_logprobs=False,
-                                                     include_usage=False, tools=tools)]  # fmt: skip
+        return [c async for c in chat_stream(ctx, deltas(), want_logprobs=False,
+                                             include_usage=False, tools=tools)]  # fmt: skip
 
     chunks = [json.loads(c[6:]) for c in asyncio.run(collect()) if c.startswith(b"data: {")]
     ids = [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids", [])]

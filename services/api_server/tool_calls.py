@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from services.protocol import SamplingParams
+from services.registry import TOOL_CALL_PARSERS, load
 
 
 def tool_call_id() -> str:
@@ -404,10 +405,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-TOOL_CALL_PARSERS: dict[str, type[CallStream]] = {
-    "hermes": HermesCalls,
-    "llama3_json": Llama3JsonCalls,
-}
+def parser_class(name: str) -> type[CallStream]:
+    """The ``--tool-call-parser`` registered as ``name`` (services/registry.py)."""
+    cls: type[CallStream] = load("tool call parser", TOOL_CALL_PARSERS, name)
+    return cls
 
 
 # ---------------------------------------------------------------- request side
@@ -470,7 +471,7 @@ class ToolCalling:
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         """The request's sampling as its parser needs it (special tokens kept for hermes)."""
-        parser = TOOL_CALL_PARSERS[self.parser] if self.forced is None and self.parser else None
+        parser = parser_class(self.parser) if self.forced is None and self.parser else None
         if parser is not None and not parser.skip_special_tokens:
             return msgspec.structs.replace(params, skip_special_tokens=False)
         return params
@@ -481,7 +482,7 @@ class ToolCalling:
         if self.forced is not None:
             return NamedCall(self.forced)
         assert self.parser is not None
-        return TOOL_CALL_PARSERS[self.parser]()
+        return parser_class(self.parser)()
 
     def finish_reason(self, made_calls: bool, engine_reason: str | None) -> str | None:
         """vLLM's: "tool_calls" when calls were made and the output ended by itself, except

@@ -29,6 +29,7 @@ from services.model_arch import ModelArchConfig
 from services.parallel_config import ParallelConfig
 from services.registry import (
     ATTENTION_BACKENDS,
+    GRAMMAR_BACKENDS,
     HASH_ALGORITHMS,
     SCHEDULING_POLICIES,
     WORKER_BACKENDS,
@@ -182,7 +183,7 @@ class SchedulerConfig:
         return self.max_num_batched_tokens
 
 
-STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+STRUCTURED_OUTPUT_BACKENDS = ("auto", *GRAMMAR_BACKENDS)
 
 
 @dataclass(frozen=True)

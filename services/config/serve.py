@@ -24,6 +24,7 @@ from services.flags import (
     parse_size,
 )
 from services.protocol import DEFAULT_MAX_LOGPROBS
+from services.registry import TOOL_CALL_PARSERS
 
 
 @dataclass
@@ -160,11 +161,6 @@ class RequestLimits:
             raise ConfigError("--max-logprobs must be -1 (the vocabulary size) or at least 0")
 
 
-# services/api_server/tool_calls.py's TOOL_CALL_PARSERS, by name: configuration sits below
-# the api_server and cannot import it (tests/test_config.py checks the two agree).
-TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
-
-
 @dataclass
 class ServeConfig:
     """Everything a server's processes need; the launcher hands it to each child as JSON.
@@ -224,7 +220,7 @@ class ServeConfig:
         metadata=flag(
             "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, Qwen "
             "and many fine-tunes) or llama3_json (JSON objects, Llama 3.x)",
-            choices=sorted(TOOL_CALL_PARSER_NAMES),
+            choices=sorted(TOOL_CALL_PARSERS),
         ),
     )
     exclude_tools_when_tool_choice_none: bool = field(
@@ -306,7 +302,7 @@ class ServeConfig:
     def validate(self) -> None:
         """The server's own flags, each alone and against each other (ConfigError)."""
         if self.tool_call_parser is not None:
-            check_choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSER_NAMES)
+            check_choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.tokenizer_workers < 1:
             raise ConfigError("--tokenizer-workers must be at least 1")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

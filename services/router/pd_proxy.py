@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,8 +28,11 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from services.api_server.http_io import error_response
-from services.router.app import Router, RouterConfig, parse_object
+from services.http.errors import add_error_handlers, error_response
+from services.http.server import configure_logging, run_app
+from services.router.config import RouterConfig
+from services.router.forward import parse_object
+from services.router.router import Router
 
 log = logging.getLogger("actorserve.pd_proxy")
 
@@ -78,8 +80,8 @@ class PDProxy:
 
 
 async def _read(response: Response) -> bytes:
-    """A (streaming) response's whole body; its background task (the router's bookkeeping)
-    runs once it is read."""
+    """A (streaming) response's whole body; the router's bookkeeping for it (its close
+    hook) runs once it is read."""
     iterator = getattr(response, "body_iterator", None)
     if iterator is None:
         return bytes(response.body)
@@ -108,6 +110,7 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
                     await router.follower.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -136,11 +139,7 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
 
 
 def run_pd_proxy(prefill: RouterConfig, decode: RouterConfig) -> int:
-    import uvicorn
-
-    level = os.environ.get("ACTORSERVE_LOGGING_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging()
     app = build_pd_app(prefill, decode)
-    uvicorn.run(app, host=decode.host, port=decode.port, loop="uvloop", log_level=decode.log_level)
+    run_app(app, decode.host, decode.port, decode.log_level)
     return 0

@@ -1,0 +1,122 @@
+"""The api_server process: the app on uvicorn, started by ``launch.child api_server``.
+
+The launcher, not uvicorn, decides when to stop: SIGTERM (or SIGINT) starts a drain —
+new requests get 503, live ones get ``--shutdown-timeout`` to finish, the rest are
+aborted — and then the server exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import signal
+from typing import Any
+
+import uvicorn
+import uvloop
+
+from services.api_server.app import build_app
+from services.api_server.frontend import EngineFrontend, FrontendEndpoints
+from services.api_server.serving_base import ServerSettings
+from services.config import ServeConfig
+from services.gc_tuning import freeze_gc
+from services.ipc import report_ready
+from services.logging_utils import init_logger
+
+logger = init_logger(__name__)
+
+
+def kv_events_info(config: ServeConfig) -> dict[str, Any] | None:
+    """What ``GET /kv_events`` reports: where each engine core publishes, and the block
+    size and hash algorithm a subscriber needs to match its hashes."""
+    if not config.kv_event_publishers:
+        return None
+    cache = config.engine.cache
+    return {
+        "publishers": [dataclasses.asdict(p) for p in config.kv_event_publishers],
+        "block_size": cache.block_size,
+        "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
+        "model": config.served_model_names[0],
+    }
+
+
+def server_settings(config: ServeConfig) -> ServerSettings:
+    """The api_server's settings from the serve configuration."""
+    return ServerSettings(
+        served_model_names=config.served_model_names,
+        model_root=config.model_folder,
+        api_key=config.api_key,
+        max_num_queued_reqs=config.max_num_queued_reqs,
+        limits=config.limits,
+        enable_request_id_headers=config.enable_request_id_headers,
+        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
+        kv_events=kv_events_info(config),
+    )
+
+
+def run_api_server_process(config: ServeConfig, control: str) -> None:
+    """Serve until the launcher's SIGTERM has drained the server; report READY on
+    ``control`` once the port listens."""
+    ep = config.endpoints
+    frontend = EngineFrontend(
+        FrontendEndpoints(
+            ep.tokenizer_requests,
+            ep.api_outputs,
+            tuple(e.engine_core for e in ep.engines(config.engine.parallel.data_parallel_size)),
+        ),
+        max_model_len=config.engine.scheduler.resolved_max_model_len,
+        retry_waiting_on_restart=config.retry_waiting_on_restart,
+    )
+    app = build_app(frontend, server_settings(config))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            loop="uvloop",
+            log_level=config.log_level,
+            timeout_graceful_shutdown=1,
+        )
+    )
+    # uvicorn >= 0.29 takes SIGINT/SIGTERM in ``capture_signals`` (older ones in
+    # ``install_signal_handlers``); either would replace our handlers and make
+    # SIGTERM cut in-flight streams after ``timeout_graceful_shutdown``.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
+
+    async def drain() -> None:
+        if frontend.draining:
+            return  # a second signal: the first drain is running
+        frontend.draining = True  # new requests get 503 from here on
+        deadline = asyncio.get_running_loop().time() + config.shutdown_timeout
+        # A request admitted just before registers with the frontend a few loop
+        # turns later (its handler's task): give it that time to be counted.
+        await asyncio.sleep(0.2)
+        while frontend.num_live and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if frontend.num_live:
+            logger.warning("shutdown timeout: aborting %d requests", frontend.num_live)
+            await frontend.abort(frontend.live_request_ids())
+            # Let the abort deltas reach the clients; a CPU step in flight can take seconds.
+            abort_deadline = asyncio.get_running_loop().time() + 10
+            while frontend.num_live and asyncio.get_running_loop().time() < abort_deadline:
+                await asyncio.sleep(0.05)
+        server.should_exit = True
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(drain()))
+        loop.add_signal_handler(signal.SIGINT, lambda: loop.create_task(drain()))
+        serving = loop.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                serving.result()  # raises what stopped it (e.g. the port is taken)
+                raise SystemExit(1)
+            await asyncio.sleep(0.02)
+        freeze_gc()
+        report_ready(control, "api_server")
+        await serving
+
+    uvloop.run(main())
