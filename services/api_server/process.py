@@ -1,6 +1,7 @@
 """The api_server process: the app on uvicorn, started by ``launch.child api_server``.
 
-The launcher, not uvicorn, decides when to stop: SIGTERM (or SIGINT) starts a drain —
+Started by ``services/http/server.py:run_app`` like the router and the PD proxy. The
+launcher, not uvicorn, decides when to stop: SIGTERM (or SIGINT) starts a drain —
 new requests get 503, live ones get ``--shutdown-timeout`` to finish, the rest are
 aborted — and then the server exits.
 """
@@ -8,19 +9,15 @@ aborted — and then the server exits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import signal
 from typing import Any
-
-import uvicorn
-import uvloop
 
 from services.api_server.app import build_app
 from services.api_server.frontend import EngineFrontend, FrontendEndpoints
 from services.api_server.serving_base import ServerSettings
 from services.config import ServeConfig
 from services.gc_tuning import freeze_gc
+from services.http.server import run_app
 from services.ipc import report_ready
 from services.logging_utils import init_logger
 
@@ -70,21 +67,6 @@ def run_api_server_process(config: ServeConfig, control: str) -> None:
         retry_waiting_on_restart=config.retry_waiting_on_restart,
     )
     app = build_app(frontend, server_settings(config))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            loop="uvloop",
-            log_level=config.log_level,
-            timeout_graceful_shutdown=1,
-        )
-    )
-    # uvicorn >= 0.29 takes SIGINT/SIGTERM in ``capture_signals`` (older ones in
-    # ``install_signal_handlers``); either would replace our handlers and make
-    # SIGTERM cut in-flight streams after ``timeout_graceful_shutdown``.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
 
     async def drain() -> None:
         if frontend.draining:
@@ -103,20 +85,17 @@ def run_api_server_process(config: ServeConfig, control: str) -> None:
             abort_deadline = asyncio.get_running_loop().time() + 10
             while frontend.num_live and asyncio.get_running_loop().time() < abort_deadline:
                 await asyncio.sleep(0.05)
-        server.should_exit = True
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(drain()))
-        loop.add_signal_handler(signal.SIGINT, lambda: loop.create_task(drain()))
-        serving = loop.create_task(server.serve())
-        while not server.started:
-            if serving.done():
-                serving.result()  # raises what stopped it (e.g. the port is taken)
-                raise SystemExit(1)
-            await asyncio.sleep(0.02)
+    def ready() -> None:
         freeze_gc()
         report_ready(control, "api_server")
-        await serving
 
-    uvloop.run(main())
+    run_app(
+        app,
+        config.host,
+        config.port,
+        config.log_level,
+        drain=drain,
+        on_started=ready,
+        timeout_graceful_shutdown=1,
+    )

@@ -30,12 +30,6 @@ def sse(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-def error_body(
-    status: int, message: str, error_type: str, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-
-
 def clamp_logprob(x: float) -> float:
     return max(x, _MIN_LOGPROB)
 

@@ -22,7 +22,6 @@ from services.api_server.serving import (
     check_error,
     chunk,
     clamp_logprob,
-    error_body,
     kv_transfer_params,
     prompt_logprobs_json,
     sse,
@@ -30,6 +29,7 @@ from services.api_server.serving import (
 )
 from services.api_server.serving_base import ServingBase
 from services.api_server.tool_calls import CallStart, Content, Event, ToolCalling
+from services.http.errors import error_body
 from services.protocol import DecodedLogprob, GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)

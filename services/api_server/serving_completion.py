@@ -21,13 +21,13 @@ from services.api_server.serving import (
     check_error,
     chunk,
     clamp_logprob,
-    error_body,
     kv_transfer_params,
     prompt_logprobs_json,
     sse,
     usage,
 )
 from services.api_server.serving_base import ServingBase
+from services.http.errors import error_body
 from services.protocol import (
     DecodedLogprob,
     DecodedPromptLogprobs,
