@@ -1,7 +1,9 @@
 """OpenAI request schemas (pydantic), with vLLM's extra sampling fields.
 
 Unknown fields are ignored, as vLLM does. Responses are built as plain dicts
-in vLLM's shapes (``serving.py``); only requests need validation.
+in vLLM's shapes (the ``serving_*.py`` modules); only requests need validation.
+It stays whole because it is the API's request schema: every body the api_server accepts,
+with the checks that turn one into ``SamplingParams``, in one place (as vLLM's protocol.py).
 """
 
 from __future__ import annotations

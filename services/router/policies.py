@@ -76,6 +76,10 @@ hash the prompt first.
   that every later request sharing the prefix then splits over two replicas. It is the
   ski-rental rule (rent until the rent paid equals the price, then buy), which never pays
   more than twice the best choice in hindsight; the constant is 1 for that reason.
+
+It stays whole because the policies are one family, compared with each other in every
+routing experiment: they share the request and decision types, build on each other
+(``burst`` and ``prefix_precise`` on ``prefix_approx``), and ``POLICIES`` lists them all.
 """
 
 from __future__ import annotations
