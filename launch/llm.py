@@ -6,10 +6,14 @@ batch runs with continuous batching (requests join and leave the running batch
 step by step), not one prompt after another. Used by ``actorserve generate``,
 batch jobs and tests.
 
-It drives the same ``EngineCore`` as the server's scheduler process and checks
-requests with the same ``RequestProcessor`` as the server's tokenizers, so a rule
-holds in both. One rank runs in this process (``UniprocExecutor``); with
-``tensor_parallel_size`` > 1 the ranks are child processes (``close()`` ends them).
+It is the server's serve path without the sockets: the same ``RequestProcessor`` as
+the tokenizers checks each request, the same ``EngineCore`` as the scheduler process
+runs it, the same ``OutputProcessor`` as the detokenizer process turns its tokens into
+text (stop strings, ``min_tokens``, stop tokens, logprobs), and the api_server's
+``fan_out`` and ``ChoiceState`` make and gather the ``n`` choices, so a rule holds in
+both (``tests/test_output_parity.py``). One rank runs in this process
+(``UniprocExecutor``); with ``tensor_parallel_size`` > 1 the ranks are child processes
+(``close()`` ends them).
 """
 
 from __future__ import annotations
@@ -20,17 +24,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services import clock
+from services.api_server.choices import ChoiceState, fan_out
 from services.config import ConfigError, EngineConfig, ModelArchConfig
-from services.detokenizer.incremental import IncrementalDetokenizer
+from services.detokenizer.output_processor import OutputProcessor
 from services.logging_utils import init_logger
 from services.model_loader import load_hf_config, load_tokenizer, prepare_engine_model
 from services.protocol import (
+    DecodedLogprob,
+    FinishRequest,
     GenerateRequest,
     RequestError,
     RequestTokens,
     SamplingParams,
+    TextDelta,
+    TokenBatch,
     TokenLogprobs,
-    choice_params,
 )
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import Executor, UniprocExecutor
@@ -75,14 +83,14 @@ class RequestOutput:
 
 
 @dataclass
-class _Sequence:
-    """Engine-side state of one running sequence (one of a prompt's ``n``)."""
+class _Choice:
+    """One engine request of a ``generate`` call: the result it belongs to, its index
+    there, and its deltas gathered as the api_server gathers a choice's."""
 
-    parent: RequestOutput
+    result: RequestOutput
     index: int
-    detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
+    sampling: SamplingParams
+    state: ChoiceState = field(default_factory=ChoiceState)
 
 
 class LLM:
@@ -117,6 +125,8 @@ class LLM:
 
             self._ranks = LocalWorkerRanks(self.config, folder)
             executor = self._ranks.executor
+        # The detokenizer process's logic: text, stop strings and logprobs of every request.
+        self.output_processor = OutputProcessor(self.tokenizer.tokenizer)
         self.core = EngineCore(
             self.config,
             executor,
@@ -148,60 +158,31 @@ class LLM:
         prompts = list(prompts)  # type: ignore[arg-type]
         params = self._per_prompt(sampling_params, len(prompts))
         results: list[RequestOutput] = []
-        sequences: dict[str, _Sequence] = {}
+        choices: dict[str, _Choice] = {}  # engine request id -> its choice
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 sp.validate()
-                request_id = str(next(self._ids))
-                text, token_ids = (
-                    (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-                )
-                for index in range(sp.n):
-                    req_id = f"{request_id}-{index}" if sp.n > 1 else request_id
-                    checked = self.processor.process(
-                        GenerateRequest(
-                            req_id,
-                            choice_params(sp, index),
-                            prompt=text,
-                            prompt_token_ids=token_ids,
-                            priority=priority[i] if priority else 0,
-                        )
-                    )
-                    if isinstance(checked, RequestError):
-                        raise ValueError(checked.message)
-                    tokenized, spec = checked
-                    if index == 0:
-                        result = RequestOutput(
-                            request_id=request_id,
-                            prompt=text,
-                            prompt_token_ids=tokenized.prompt_token_ids,
-                            outputs=[],
-                            prompt_logprobs=None if sp.prompt_logprobs is None else [None],
-                        )
-                        results.append(result)
-                    self.core.add_request(tokenized)
-                    sequences[req_id] = _Sequence(
-                        parent=result,
-                        index=index,
-                        detokenizer=IncrementalDetokenizer(
-                            self.tokenizer.tokenizer,
-                            skip_special_tokens=spec.sampling.skip_special_tokens,
-                            stop=list(spec.sampling.stop),
-                            include_stop_str_in_output=spec.sampling.include_stop_str_in_output,
-                            prompt_token_ids=tokenized.prompt_token_ids,
-                        ),
-                        logprobs=[] if spec.sampling.logprobs is not None else None,
-                    )
-        except Exception:
-            # A prompt refused part-way (its grammar, offline, fails as it compiles): the
-            # requests already added must not run on into the next call.
-            self.core.abort_requests(list(sequences))
+                results.append(self._add(prompt, sp, priority[i] if priority else 0, choices))
+            # Until the scheduler has ended every request (a stop string's finish too), so
+            # the output processor holds nothing of this call afterwards.
+            live = set(choices)
+            while live:
+                items = [item for item in self.step() if item.req_id in live]
+                self._take(*self.output_processor.process(TokenBatch(items)), choices)
+                live = {req_id for req_id in live if req_id in self.output_processor}
+        except BaseException:
+            # A prompt refused part-way (its grammar, offline, fails as it compiles), or an
+            # interrupted run: its requests must not run on into the next call. The
+            # scheduler's reports of them are dropped there (not of that call).
+            self.core.abort_requests(list(choices))
+            self.output_processor.abort_requests(list(choices))
             raise
-        while sequences:
-            for item in self.step():
-                self._collect(item, sequences)
-        for result in results:
-            result.outputs.sort(key=lambda c: c.index)
+        for choice in choices.values():  # in choice order: fan_out's
+            result = choice.result
+            result.outputs.append(_completion_output(choice))
+            result.num_cached_tokens = max(result.num_cached_tokens, choice.state.num_cached_tokens)
+            if choice.index == 0 and choice.sampling.prompt_logprobs is not None:
+                result.prompt_logprobs = _prompt_logprobs(choice.state)
         return results
 
     def chat(
@@ -247,37 +228,44 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
 
-    def _collect(self, item: RequestTokens, sequences: dict[str, _Sequence]) -> None:
-        seq = sequences.get(item.req_id)
-        if seq is None:
-            return
-        seq.token_ids.extend(item.new_token_ids)
-        if seq.logprobs is not None:
-            seq.logprobs.extend(item.logprobs)
-        prompt_lps = seq.parent.prompt_logprobs
-        if item.prompt_logprobs and prompt_lps is not None and len(prompt_lps) == 1:
-            prompt_lps.extend(item.prompt_logprobs)  # the n sequences' copies are the same
-        seq.detokenizer.update(item.new_token_ids)
-        finish_reason, stop_reason = item.finish_reason, item.stop_reason
-        if finish_reason is None and seq.detokenizer.stop_matched is not None:
-            # A stop string ends the request: free its blocks now.
-            self.core.finish_requests([item.req_id], "stop", None)
-            finish_reason, stop_reason = "stop", seq.detokenizer.stop_matched
-        if finish_reason is None:
-            return
-        seq.detokenizer.flush()
-        del sequences[item.req_id]
-        seq.parent.num_cached_tokens = max(seq.parent.num_cached_tokens, item.num_cached_tokens)
-        seq.parent.outputs.append(
-            CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.output_text,
-                token_ids=seq.token_ids,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                logprobs=seq.logprobs,
+    def _add(
+        self, prompt: Prompt, sp: SamplingParams, priority: int, choices: dict[str, _Choice]
+    ) -> RequestOutput:
+        """Check and add one prompt's ``n`` choices, as the api_server fans them out and the
+        tokenizer checks them; each is recorded in ``choices`` before the engine sees it."""
+        request_id = str(next(self._ids))
+        text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        result: RequestOutput | None = None
+        for index, (req_id, _, params) in enumerate(fan_out(request_id, 1, sp)):
+            checked = self.processor.process(
+                GenerateRequest(
+                    req_id, params, prompt=text, prompt_token_ids=token_ids, priority=priority
+                )
             )
-        )
+            if isinstance(checked, RequestError):
+                raise ValueError(checked.message)
+            tokenized, spec = checked
+            if result is None:
+                result = RequestOutput(
+                    request_id=request_id,
+                    prompt=text,
+                    prompt_token_ids=tokenized.prompt_token_ids,
+                    outputs=[],
+                )
+            choices[req_id] = _Choice(result, index, spec.sampling)
+            self._take(*self.output_processor.add_request(spec), choices)
+            self.core.add_request(tokenized)
+        assert result is not None  # n >= 1: checked by SamplingParams.validate
+        return result
+
+    def _take(
+        self, deltas: list[TextDelta], finishes: list[FinishRequest], choices: dict[str, _Choice]
+    ) -> None:
+        """The output processor's answer, handled as the server's processes handle it."""
+        for finish in finishes:  # a stop string matched: the scheduler process's handling
+            self.core.finish_requests([finish.req_id], finish.finish_reason, finish.stop_reason)
+        for delta in deltas:
+            choices[delta.req_id].state.update(delta, delta.text)
 
     @staticmethod
     def _per_prompt(
@@ -293,3 +281,29 @@ class LLM:
                 "pass one, or one per prompt"
             )
         return list(sampling_params)
+
+
+def _token_logprobs(lp: DecodedLogprob) -> TokenLogprobs:
+    return TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
+
+
+def _completion_output(choice: _Choice) -> CompletionOutput:
+    s = choice.state
+    return CompletionOutput(
+        index=choice.index,
+        text="".join(s.text),
+        token_ids=s.token_ids,
+        finish_reason=s.finish_reason,
+        stop_reason=s.stop_reason,
+        logprobs=(
+            [_token_logprobs(lp) for lp in s.logprobs]
+            if choice.sampling.logprobs is not None
+            else None
+        ),
+    )
+
+
+def _prompt_logprobs(state: ChoiceState) -> list[TokenLogprobs | None]:
+    """One entry per prompt token, None for the first (the n choices' copies are the same)."""
+    items = state.prompt_logprobs.items if state.prompt_logprobs is not None else []
+    return [None, *(_token_logprobs(lp) for lp in items)]

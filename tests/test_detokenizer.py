@@ -176,7 +176,7 @@ def _spec(req_id, tok, prompt="hi", **sampling):
 
 
 def test_output_processor_stop_string_finishes_request(tok):
-    from services.detokenizer.service import OutputProcessor
+    from services.detokenizer.output_processor import OutputProcessor
     from services.protocol import FinishRequest, RequestTokens, TokenBatch
 
     out_ids = tok.encode(" one two three four", add_special_tokens=False).ids
@@ -202,7 +202,7 @@ def test_output_processor_stop_string_finishes_request(tok):
 
 
 def test_output_processor_eos_and_logprobs(tok):
-    from services.detokenizer.service import OutputProcessor
+    from services.detokenizer.output_processor import OutputProcessor
     from services.protocol import RequestTokens, TokenBatch, TokenLogprobs
 
     out_ids = tok.encode(" 你好", add_special_tokens=False).ids
@@ -228,7 +228,7 @@ def test_output_processor_eos_and_logprobs(tok):
 
 def test_outputs_are_logged_whole_when_they_finish(tok, caplog):
     """--enable-log-outputs: one line per request at its end, with all of its text and ids."""
-    from services.detokenizer.service import OutputProcessor
+    from services.detokenizer.output_processor import OutputProcessor
     from services.protocol import RequestTokens, TokenBatch
     from services.request_log import RequestLog
 

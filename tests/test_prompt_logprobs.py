@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from launch.llm import LLM, SamplingParams
-from services.detokenizer.service import OutputProcessor
+from services.detokenizer.output_processor import OutputProcessor
 from services.protocol import (
     PromptLogprobs,
     RequestOutputSpec,
