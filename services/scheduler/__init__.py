@@ -1,8 +1,10 @@
-"""The engine core: requests, the continuous-batching scheduler and the paged KV cache.
+"""The engine core: the continuous-batching scheduler and the loop that drives it.
 
-request.py (Request, stop rules) -> request_queue.py (waiting queue per policy)
--> scheduler.py (Scheduler: StepPlan out, StepResult in) -> kv_cache_manager.py
-(block tables) -> block_pool.py (blocks, prefix cache, KV events) ->
-free_block_queue.py (LRU free list); block_hash.py (prefix hashes),
-kv_cache_metrics.py (sampled residency), stats.py, capacity.py (start-up check).
+scheduler.py (Scheduler: StepPlan out, StepResult in) over budget.py (one step's
+token and sequence budget), request_table.py (every request's state), blockers.py (what
+keeps a running request out of a step, registered by each feature), remote_kv.py (a KV
+connector's scheduler half), messages.py (plans and outputs), request_queue.py (the
+waiting queue per policy); engine_core.py (schedule -> executor -> update), executor.py
+(one rank in-process, or many over sockets), service.py (the process's busy loop) and
+metrics.py (its metrics hooks). The KV cache it allocates from is ``services/kv_cache``.
 """

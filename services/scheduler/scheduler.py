@@ -1,4 +1,11 @@
-"""Continuous batching: which tokens of which requests each engine step computes."""
+"""Continuous batching: which tokens of which requests each engine step computes.
+
+It stays whole because it is the one place a request's state changes as a step sees it
+(admitted, scheduled, preempted, updated, finished); what does not change state lives
+beside it: the step's budget (budget.py), the table of states (request_table.py), the
+blocking predicates (blockers.py), the KV connector's side (remote_kv.py) and the
+messages out (messages.py).
+"""
 
 from __future__ import annotations
 
@@ -10,30 +17,31 @@ from services import clock
 from services.config import CacheConfig, SchedulerConfig
 from services.kv_cache.block_hash import BlockHasher
 from services.kv_cache.capacity import check_kv_capacity
-from services.kv_cache.free_block_queue import KVCacheBlock
 from services.kv_cache.manager import KVCacheManager
-from services.kv_cache.metrics import KVCacheMetrics, KVCacheResidency, PrefixCacheStats
+from services.kv_cache.metrics import KVCacheMetrics, KVCacheResidency
 from services.kv_transfer.base import KVConnectorScheduler
 from services.metrics.stats import SchedulerStats
-from services.protocol import (
-    KVCacheEvent,
-    KVTransferDone,
-    NewRequest,
-    RequestTokens,
-    RunningRequestDelta,
-    StepPlan,
-    StepResult,
-    TokenLogprobs,
-)
+from services.protocol import KVCacheEvent, KVTransferDone, RequestTokens, StepPlan, StepResult
 from services.request import (
     FINISH_STATUS,
     Request,
     RequestEventType,
     RequestStatus,
     check_stop,
-    reaches_length,
 )
-from services.scheduler.request_queue import create_request_queue
+from services.scheduler.blockers import (
+    Blocker,
+    Blockers,
+    ends_in_flight,
+    grammar_needs_token_in_flight,
+    num_to_compute,
+    token_in_flight,
+)
+from services.scheduler.budget import StepBudget, StepPicks
+from services.scheduler.messages import build_plan, request_tokens
+from services.scheduler.remote_kv import RemoteKV
+from services.scheduler.request_queue import RequestQueue
+from services.scheduler.request_table import RequestTable
 from services.structured_output.backend import GrammarError
 from services.structured_output.manager import StructuredOutputManager
 
@@ -45,43 +53,35 @@ _PREEMPTION_LOG_INTERVAL_S = 10.0
 class Scheduler:
     """Owns the requests and the KV cache; turns them into one ``StepPlan`` per step.
 
-    Each step has one token budget (``max_num_batched_tokens``) and at most
-    ``max_num_seqs`` requests run. Running requests come first (decodes, then
-    unfinished prefill chunks), then waiting ones in policy order (FCFS, or
-    lowest (priority, arrival_time) first). A prompt larger than what is left
-    of the budget is chunked (``enable_chunked_prefill``; without it the prompt
-    waits), and no request gets more than ``long_prefill_token_threshold``
-    tokens in one step when that is set. When a running request cannot get a
-    block, the newest running request (priority policy: the lowest priority,
-    then latest) is preempted and recomputed later; a step that preempts
-    admits no waiting request.
+    Budget (budget.py): each step has one ``StepBudget`` -- ``max_num_batched_tokens``
+    tokens, ``max_num_seqs`` requests, and the cuts applied to a request's tokens
+    (``long_prefill_token_threshold``; a prompt larger than what is left is chunked with
+    ``enable_chunked_prefill``, else it waits). Passes: running requests (decodes, then
+    unfinished prefill chunks), then requests whose KV a connector loaded, then waiting
+    ones in policy order (FCFS, or lowest (priority, arrival_time) first) take from it
+    in turn. A running request that cannot get a block preempts the newest running one
+    (priority policy: the lowest priority, then latest), recomputed later; a step that
+    preempts admits no waiting request.
 
-    A request's next token is only scheduled once the token it sampled has come
-    back, but ``schedule`` may be called again before the last plan's
-    ``update_from_output`` (pipeline parallelism keeps several plans in flight):
-    the next plan then takes other requests, or later prefill chunks of the same
-    ones. Results must be given back in plan order. Workers run plans in order, so
-    KV blocks freed or reused by a later plan are never read by an earlier one.
-    With ``pipeline_depth`` d > 1 (one plan in flight per pipeline stage) each
-    running delta carries the tokens sampled since the request was last scheduled
-    (for the stages that do not sample), and one plan takes at most 1/d of the
-    running requests, so the stages get micro-batches of similar size instead of one
-    full batch and d - 1 idle stages (what vLLM v0's virtual engines did).
+    Table (request_table.py): every request is in one state -- compiling (its grammar),
+    waiting, loading / loaded (its KV, through a KV connector: remote_kv.py), running,
+    or held once finished while the connector holds its blocks; every move between
+    states goes through the ``RequestTable``. Predicates (blockers.py): why a running
+    request sits out a step; each feature registers its own (``add_blocker``): its
+    sampled token not back yet (``token_in_flight``), its grammar's next bitmask row
+    waiting on such a token, async scheduling's tokens in flight ending it.
+
+    ``schedule`` may be called again before the last plan's ``update_from_output``
+    (pipeline parallelism, async scheduling keep plans in flight): the next plan takes
+    other requests, or later prefill chunks of the same ones. Results must be given back
+    in plan order; workers run plans in order, so KV blocks freed or reused by a later
+    plan are never read by an earlier one. With ``pipeline_depth`` d > 1 each running
+    delta carries the tokens sampled since the request was last scheduled (for the
+    stages that do not sample), and one plan takes at most 1/d of the running requests
+    (the budget's ``max_running``): the stages get micro-batches of similar size instead
+    of one full batch and d - 1 idle stages (what vLLM v0's virtual engines did). Each
+    plan carries a bitmask row for every constrained request that samples in it.
     ``max_model_len`` None or 0 means no length limit.
-
-    With a KV connector (``--kv-transfer-config``) a waiting request whose prompt KV an
-    outside source supplies gets its blocks, then waits in ``loading``
-    (``WAITING_FOR_REMOTE_KVS``) until every worker rank reports the load; then it runs
-    as soon as a place is free, before the queue (``loaded``), or, if the load failed,
-    goes back to the head of the queue to compute its prompt.
-    A finished request whose blocks the connector holds for a transfer stays in
-    ``held`` until every rank reports the transfer over.
-
-    A request with structured outputs waits for its grammar (``WAITING_FOR_GRAMMAR``,
-    compiled by ``structured_output`` off this thread) before it joins the queue; each plan
-    carries a bitmask row for every constrained request that samples in it, and its
-    sampled tokens advance the request's matcher. With async scheduling a constrained
-    request is not planned again until its last token is back (its row depends on it).
     """
 
     def __init__(
@@ -97,10 +97,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
-        self.structured_output = structured_output
-        self.connector = kv_connector
         self.pipeline_depth = pipeline_depth
-        self.async_scheduling = async_scheduling
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len or sys.maxsize
         if scheduler_config.max_model_len:
@@ -118,25 +115,20 @@ class Scheduler:
             enable_kv_cache_events=enable_kv_cache_events,
             metrics=metrics,
         )
-        if kv_connector is not None:
-            if kv_connector.keeps_blocks:  # per-block calls only where someone listens
-                self.kv_cache_manager.block_pool.listener = kv_connector
-            kv_connector.enable_events(enable_kv_cache_events)
-        # Prompt tokens asked of the connector and supplied by it (vLLM's
-        # vllm:external_prefix_cache_queries / _hits), once per admission.
-        self.connector_prefix_cache_stats = PrefixCacheStats()
+        self.table = RequestTable(scheduler_config.scheduling_policy)
+        self.remote_kv = RemoteKV(
+            kv_connector, self.kv_cache_manager, self.table, enable_kv_cache_events
+        )
         self.block_hasher: BlockHasher | None = None
         if cache_config.enable_prefix_caching:
             self.block_hasher = BlockHasher(
                 cache_config.block_size, cache_config.prefix_caching_hash_algo
             )
 
-        self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
-        self.running: list[Request] = []
-        self.loading: dict[str, Request] = {}  # their KV is being loaded by the connector
-        self.loaded: dict[str, Request] = {}  # their KV is in place: they run next
-        self.held: dict[str, Request] = {}  # finished; the connector holds their blocks
+        self.blockers = Blockers()
+        self.add_blocker("token_in_flight", token_in_flight)
+        self.structured_output = structured_output  # these two register their blockers
+        self.async_scheduling = async_scheduling
         # Ids the workers must drop before the next step (dict: an ordered set).
         self._finished_req_ids: dict[str, None] = {}
         self._pending_outputs: list[RequestTokens] = []
@@ -148,11 +140,64 @@ class Scheduler:
         self._last_preemption_log = -float("inf")
         self._last_step_num_tokens = 0
 
+    # ------------------------------------------------------------------ features, states
+
+    def add_blocker(self, name: str, blocker: Blocker) -> None:
+        """Keep a running request out of every step in which ``blocker(request)`` is true
+        (it runs again once no blocker holds it). ``ValueError`` if ``name`` is taken."""
+        self.blockers.add(name, blocker)
+
+    def remove_blocker(self, name: str) -> None:
+        self.blockers.remove(name)
+
+    @property
+    def structured_output(self) -> StructuredOutputManager | None:
+        return self._structured_output
+
+    @structured_output.setter
+    def structured_output(self, manager: StructuredOutputManager | None) -> None:
+        self._structured_output = manager
+        blocker = grammar_needs_token_in_flight if manager is not None else None
+        self.blockers.set("grammar_needs_token_in_flight", blocker)
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, enabled: bool) -> None:
+        self._async_scheduling = enabled
+        self.blockers.set("ends_in_flight", ends_in_flight(self.max_model_len) if enabled else None)
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.table.requests
+
+    @property
+    def waiting(self) -> RequestQueue:
+        return self.table.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.table.running
+
+    @property
+    def loading(self) -> dict[str, Request]:
+        return self.table.loading
+
+    @property
+    def loaded(self) -> dict[str, Request]:
+        return self.table.loaded
+
+    @property
+    def held(self) -> dict[str, Request]:
+        return self.table.held
+
     # ------------------------------------------------------------------ requests in
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` for a duplicate id or a bad prompt length."""
-        if request.req_id in self.requests:
+        if request.req_id in self.table.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         if not 0 < request.num_prompt_tokens <= self.max_model_len:
             raise ValueError(
@@ -167,20 +212,14 @@ class Scheduler:
                 compiling = not self.structured_output.add(request)
             except GrammarError as e:
                 raise ValueError(str(e)) from None
-        if self.connector is not None:
-            self.connector.request_added(request)
+        self.remote_kv.request_added(request)
         if self.block_hasher is not None:
             hasher = self.block_hasher
             request.set_block_hasher(
                 lambda r: hasher.hash_blocks(r.all_token_ids, r.cache_salt, r.block_hashes)
             )
         request.record_event(RequestEventType.QUEUED)
-        self.requests[request.req_id] = request
-        if compiling:
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
-        else:
-            request.status = RequestStatus.WAITING
-            self.waiting.add(request)
+        self.table.add(request, compiling=compiling)
 
     def finish_requests(
         self, req_ids: list[str], finish_reason: str = "stop", stop_reason: str | None = None
@@ -195,20 +234,13 @@ class Scheduler:
         """
         status = FINISH_STATUS[finish_reason]
         for req_id in req_ids:
-            request = self.requests.get(req_id)
+            request = self.table.requests.get(req_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                del self.loading[req_id]
-            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 assert self.structured_output is not None
                 self.structured_output.discard(req_id)
-            elif req_id in self.loaded:
-                del self.loaded[req_id]
-            else:
-                self.waiting.remove([request])
+            self.table.take_out(request)
             request.stop_reason = stop_reason
             self._finish(request, status)
             self._pending_outputs.append(self._output(request, [], "abort"))
@@ -218,167 +250,125 @@ class Scheduler:
         self.finish_requests(req_ids, "abort")
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        """Free a request that is already out of ``running`` and ``waiting``."""
+        """Free a request that is out of its state collection (or, in ``update_from_output``,
+        still in ``running``, which drops it after)."""
         if request.status == RequestStatus.RUNNING:
             self._finished_req_ids[request.req_id] = None
         request.status = status
         request.grammar = None
-        hold = False
-        if self.connector is not None:
-            blocks = self.kv_cache_manager.req_to_blocks.get(request.req_id, [])
-            hold, request.kv_transfer_params_out = self.connector.request_finished(request, blocks)
-        if hold:
-            self.held[request.req_id] = request
-        else:
+        hold = self.remote_kv.request_finished(request)
+        if not hold:
             self.kv_cache_manager.free(request)
-        del self.requests[request.req_id]
+        self.table.retire(request, held=hold)
         self._finished_requests.append(request)
 
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> StepPlan:
-        """Plan the next step. ``num_computed_tokens`` advances here, as if the step ran."""
-        cfg = self.scheduler_config
-        threshold = cfg.long_prefill_token_threshold
-        token_budget = cfg.token_budget
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
-        if self.structured_output is not None:
-            self._take_compiled()
+        """Plan the next step. ``num_computed_tokens`` advances here, as if the step ran.
 
-        # Running requests: decodes first, then unfinished prefill chunks.
-        decodes: list[Request] = []
-        prefills: list[Request] = []
-        for r in self.running:
-            (decodes if _num_to_compute(r) <= 1 else prefills).append(r)
-        micro_batch = -(-len(self.running) // self.pipeline_depth)  # requests per plan
-        for request in itertools.chain(decodes, prefills):
-            if token_budget == 0 or len(scheduled_running) >= micro_batch:
-                break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new = _num_to_compute(request)
-            if num_new == 0:
-                continue  # its sampled token has not come back yet
-            if request.grammar is not None and request.num_output_placeholders:
-                continue  # its next bitmask row needs the token a plan in flight samples
-            pending = request.num_output_placeholders
-            if pending and reaches_length(request, self.max_model_len, pending):
-                continue  # the tokens its plans in flight sample end it: no step past that
-            if 0 < threshold < num_new:
-                num_new = threshold
-            num_new = min(num_new, token_budget)
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
-                victim = self._preempt_one()
-                preempted.append(victim)
-                if victim.req_id in num_scheduled:  # scheduled earlier in this step: undo that
-                    token_budget += num_scheduled.pop(victim.req_id)
-                    del new_block_ids[victim.req_id]
-                    scheduled_running.remove(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break  # it preempted itself: nothing else fits either
-            scheduled_running.append(request)
-            num_scheduled[request.req_id] = num_new
-            new_block_ids[request.req_id] = [b.block_id for b in new_blocks]
-            token_budget -= num_new
-
-        # Requests whose KV the connector loaded: their blocks are in place (the last
-        # token's slot too), so they run as soon as a place is free, before the queue and
-        # even in a step that preempted (a queued request could otherwise wait for blocks
-        # that only their running and finishing frees).
-        for request in list(self.loaded.values()):
-            if len(self.running) >= cfg.max_num_seqs or token_budget == 0:
-                break
-            # The rest of its prompt: its last token, or more where the connector supplied
-            # a prefix only (offload, storage).
-            num_new = request.num_tokens - request.num_computed_tokens
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if num_new > token_budget and cfg.enable_chunked_prefill:
-                num_new = token_budget
-            if (
-                num_new > token_budget
-                or self.kv_cache_manager.allocate_slots(request, num_new) is None
-            ):
-                break
-            del self.loaded[request.req_id]
-            self._admit(request, scheduled_new)
-            num_scheduled[request.req_id] = num_new
-            token_budget -= num_new
-
-        # Waiting requests, unless this step had to preempt.
-        while not preempted and len(self.waiting) and token_budget > 0:
-            request = self.waiting.peek()
-            # Requests loading their KV take a place too: they run once it has come.
-            if len(self.running) + len(self.loading) + len(self.loaded) >= cfg.max_num_seqs:
-                request.waiting_reason = "capacity"
-                break
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            if self.connector is not None:
-                started = self._start_load(request, hit_blocks, num_hit)
-                if started is not None:
-                    if started:
-                        continue
-                    break  # no room for its blocks: it waits, first in line
-            num_new = request.num_tokens - num_hit
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if num_new > token_budget:
-                if not cfg.enable_chunked_prefill:
-                    request.waiting_reason = "deferred"
-                    break
-                num_new = token_budget
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-                request.waiting_reason = "capacity"
-                break
-            self.waiting.pop()
-            self._record_cache_queries(request, num_hit, 0)
-            request.num_computed_tokens = num_hit
-            self._admit(request, scheduled_new)
-            num_scheduled[request.req_id] = num_new
-            token_budget -= num_new
-
-        plan = StepPlan(
-            step_id=self._next_step_id,
-            new_requests=[
-                NewRequest(
-                    req_id=r.req_id,
-                    token_ids=list(r.all_token_ids),
-                    num_prompt_tokens=r.num_prompt_tokens,
-                    sampling=r.worker_sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(r.req_id),
-                    num_computed_tokens=r.num_computed_tokens,
-                    eos_token_id=r.eos_token_id,
-                )
-                for r in scheduled_new
-            ],
-            running=[
-                RunningRequestDelta(
-                    r.req_id,
-                    new_block_ids[r.req_id],
-                    r.num_computed_tokens,
-                    r.all_token_ids[r.num_tokens_at_workers :] if self.pipeline_depth > 1 else [],
-                )
-                for r in scheduled_running
-            ],
-            num_scheduled_tokens=[num_scheduled[r.req_id] for r in scheduled_new]
-            + [num_scheduled[r.req_id] for r in scheduled_running],
-            finished_req_ids=list(self._finished_req_ids),
-            kv_connector_metadata=(
-                self.connector.build_connector_meta() if self.connector is not None else b""
-            ),
+        Three passes take from one budget: running requests, then loaded ones (their KV
+        came from a connector), then waiting ones (none in a step that preempted).
+        """
+        self._take_compiled()
+        budget = StepBudget.for_step(
+            self.scheduler_config, len(self.table.running), self.pipeline_depth
+        )
+        picks = StepPicks()
+        self._schedule_running(budget, picks)
+        self._schedule_loaded(budget, picks)
+        self._schedule_waiting(budget, picks)
+        plan = build_plan(
+            self._next_step_id,
+            picks,
+            self.kv_cache_manager,
+            self._finished_req_ids,
+            with_new_token_ids=self.pipeline_depth > 1,  # for the stages that do not sample
+            kv_connector_metadata=self.remote_kv.build_meta(),
         )
         self._finished_req_ids.clear()
         self._next_step_id += 1
+        self._advance(plan, picks)
+        return plan
+
+    def _schedule_running(self, budget: StepBudget, picks: StepPicks) -> None:
+        """Running requests, decodes first, then unfinished prefill chunks; one that cannot
+        get a block preempts the newest running request (itself, at worst)."""
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.table.running:
+            (decodes if num_to_compute(r) <= 1 else prefills).append(r)
+        for request in itertools.chain(decodes, prefills):
+            if budget.tokens == 0 or len(picks.running) >= budget.max_running:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if self.blockers.blocking(request) is not None:
+                continue
+            num_new = budget.clamp(num_to_compute(request), chunk=True)
+            assert num_new is not None
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self._preempt_one()
+                picks.preempted.append(victim)
+                budget.give_back(picks.drop_running(victim))  # scheduled earlier: undone
+                if victim is request:
+                    return  # it preempted itself: nothing else fits either
+            picks.add_running(request, num_new, [b.block_id for b in new_blocks])
+            budget.take(num_new)
+
+    def _schedule_loaded(self, budget: StepBudget, picks: StepPicks) -> None:
+        """Requests whose KV the connector loaded: their blocks are in place (the last
+        token's slot too), so they run as soon as a place is free, before the queue and
+        even in a step that preempted (a queued request could otherwise wait for blocks
+        that only their running and finishing frees)."""
+        for request in list(self.table.loaded.values()):
+            if not budget.has_place(len(self.table.running)) or budget.tokens == 0:
+                return
+            # The rest of its prompt: its last token, or more where the connector supplied
+            # a prefix only (offload, storage).
+            num_new = budget.clamp(request.num_tokens - request.num_computed_tokens)
+            if num_new is None or self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                return
+            self._admit(request, num_new, budget, picks)
+
+    def _schedule_waiting(self, budget: StepBudget, picks: StepPicks) -> None:
+        """Waiting requests in policy order, until one does not fit; none in a step that
+        had to preempt."""
+        while not picks.preempted and len(self.table.waiting) and budget.tokens > 0:
+            request = self.table.waiting.peek()
+            # Requests loading their KV take a place too: they run once it has come.
+            if not budget.has_place(self.table.num_seated):
+                request.waiting_reason = "capacity"
+                return
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            started = self.remote_kv.start_load(request, hit_blocks, num_hit)
+            if started is not None:
+                if started:
+                    continue
+                return  # no room for its blocks: it waits, first in line
+            num_new = budget.clamp(request.num_tokens - num_hit)
+            if num_new is None:
+                request.waiting_reason = "deferred"
+                return
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                request.waiting_reason = "capacity"
+                return
+            self.remote_kv.record_prefix_cache_query(request, num_hit, 0)
+            request.num_computed_tokens = num_hit
+            self._admit(request, num_new, budget, picks)
+
+    def _admit(self, request: Request, num_new: int, budget: StepBudget, picks: StepPicks) -> None:
+        self.table.admit(request, self._next_step_id)
+        picks.add_new(request, num_new)
+        budget.take(num_new)
+
+    def _advance(self, plan: StepPlan, picks: StepPicks) -> None:
+        """Advance the scheduled requests as if the plan ran; note which sample, and give
+        the constrained ones among them their bitmask rows."""
         sampling: set[str] = set()
         constrained: list[Request] = []
-        for request in itertools.chain(scheduled_new, scheduled_running):
-            request.num_computed_tokens += num_scheduled[request.req_id]
+        for request in picks.in_plan_order():
+            request.num_computed_tokens += picks.num_tokens[request.req_id]
             request.num_tokens_at_workers = request.num_tokens
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 sampling.add(request.req_id)
@@ -392,114 +382,36 @@ class Scheduler:
             assert self.structured_output is not None
             plan.grammar_req_ids, plan.grammar_bitmask = self.structured_output.bitmask(constrained)
         self._last_step_num_tokens = plan.total_num_scheduled_tokens
-        return plan
 
     def _take_compiled(self) -> None:
         """Requests whose grammar compiled join the queue; those whose grammar failed end
         in an error."""
-        assert self.structured_output is not None
+        if self.structured_output is None:
+            return
         ready, failed = self.structured_output.take_compiled()
         for request in ready:
-            request.status = RequestStatus.WAITING
-            self.waiting.add(request)
+            self.table.compiled(request)
         for request, error in failed:
             logger.warning("request %s: %s", request.req_id, error or "grammar engine failed")
+            self.table.take_out(request)
             self._finish(request, RequestStatus.FINISHED_ERROR)
             output = self._output(request, [], "error")
             output.error = error
             self._pending_outputs.append(output)
 
-    def _admit(self, request: Request, scheduled_new: list[Request]) -> None:
-        request.status = RequestStatus.RUNNING
-        request.admitted_step_id = self._next_step_id
-        request.record_event(RequestEventType.SCHEDULED)
-        self.running.append(request)
-        scheduled_new.append(request)
-
-    def _start_load(
-        self, request: Request, hit_blocks: list[KVCacheBlock], num_hit: int
-    ) -> bool | None:
-        """Move the waiting request at the head into ``loading`` when the connector supplies
-        part of its prompt asynchronously: True. None when it does not (schedule the request
-        as usual); False when its blocks do not fit (nothing changed; it waits, "capacity").
-
-        The blocks cover the whole prompt (what is loaded, what it then computes, the last
-        token's slot), so that once loaded the request runs without needing another
-        block: loaded requests waiting for blocks that only their own admission could
-        free would never run."""
-        assert self.connector is not None
-        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
-        if not (num_external and load_async):
-            return None
-        manager = self.kv_cache_manager
-        num_new = request.num_tokens - num_hit
-        if manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-            request.waiting_reason = "capacity"
-            return False
-        self.waiting.pop()
-        self._record_cache_queries(request, num_hit, num_external)
-        self.connector.update_state_after_alloc(
-            request, manager.get_block_ids(request.req_id), num_external
-        )
-        request.num_computed_tokens = num_hit + num_external
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[request.req_id] = request
-        return True
-
-    def _record_cache_queries(self, request: Request, num_hit: int, num_external: int) -> None:
-        """An admitted request's prefix lookups; its cached tokens count both (as vLLM)."""
-        self.kv_cache_manager.record_prefix_cache_query(request, num_hit)
-        if self.connector is not None and not request.skip_reading_prefix_cache:
-            self.connector_prefix_cache_stats.record(
-                request.num_tokens, num_external, preempted=request.is_recomputing
-            )
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit + num_external
-
     def update_from_kv_transfers(self, done: KVTransferDone) -> None:
-        """One worker rank's report of transfers that ended: free holds that are over,
-        make loaded requests ready to run (``loaded``), queue failed ones to recompute."""
-        if self.connector is None:
-            return
-        outcome = self.connector.update_connector_output(done)
-        for req_id in outcome.sent:
-            if (held := self.held.pop(req_id, None)) is not None:
-                self.kv_cache_manager.free(held)
-        failed = set(outcome.failed)
-        for req_id in outcome.loaded + outcome.failed:
-            if (held := self.held.pop(req_id, None)) is not None:  # aborted while loading
-                self.kv_cache_manager.free(held)
-                continue
-            request = self.loading.pop(req_id, None)
-            if request is None:
-                continue
-            request.status = RequestStatus.WAITING
-            if req_id in failed:
-                self.kv_cache_manager.free(request)
-                request.num_computed_tokens = 0
-                # It comes back as a preempted request does: its prompt lookup is counted
-                # apart, and its cached tokens are what that lookup finds.
-                request.num_cached_tokens = -1
-                request.load_failed = True
-                self.waiting.prepend(request)  # it waited longest
-            else:
-                self.loaded[req_id] = request
+        """One worker rank's report of KV transfers that ended (see ``RemoteKV``)."""
+        self.remote_kv.transfers_done(done)
 
     def _preempt_one(self) -> Request:
         """Preempt the newest (priority policy: lowest priority, then latest) running request."""
-        if self.scheduler_config.scheduling_policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-            self.running.remove(victim)
-        else:
-            victim = self.running.pop()
+        victim = self.table.preempt()
         self.kv_cache_manager.free(victim)
-        victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0  # what its plans in flight sample is dropped
         victim.num_preemptions += 1
         victim.waiting_reason = "capacity"
         victim.record_event(RequestEventType.PREEMPTED)
-        self.waiting.prepend(victim)
         self._finished_req_ids[victim.req_id] = None  # the workers drop its stale state
         self.num_preemptions += 1
         now = clock.monotonic()
@@ -539,7 +451,7 @@ class Scheduler:
             (r.req_id for r in plan.new_requests), (r.req_id for r in plan.running)
         )
         for req_id in scheduled_ids:
-            request = self.requests.get(req_id)
+            request = self.table.requests.get(req_id)
             if (
                 request is None
                 or request.status != RequestStatus.RUNNING
@@ -582,7 +494,7 @@ class Scheduler:
                 )
             )
         if any_finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self.table.drop_finished_running()
         return outputs
 
     def _advance_grammar(
@@ -602,25 +514,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         return status
 
-    @staticmethod
-    def _output(
-        request: Request, new_token_ids: list[int], finish_reason: str | None, logprobs=()
-    ) -> RequestTokens:
-        prompt_logprobs: list[TokenLogprobs] = []
-        first_output = 0 < len(new_token_ids) == request.num_output_tokens
-        if first_output and request.sampling_params.prompt_logprobs is not None:
-            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
-        return RequestTokens(
-            req_id=request.req_id,
-            new_token_ids=new_token_ids,
-            finish_reason=finish_reason,
-            stop_reason=request.stop_reason if finish_reason is not None else None,
-            logprobs=list(logprobs),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            prompt_logprobs=prompt_logprobs,
-            kv_transfer_params=request.kv_transfer_params_out if finish_reason else None,
-        )
+    _output = staticmethod(request_tokens)  # RequestTokens for a request (messages.py)
 
     # ------------------------------------------------------------------ state out
 
@@ -628,14 +522,12 @@ class Scheduler:
         """Requests a step can advance (not those waiting for a KV load, or for their
         grammar to compile: a report, or the compile's end, wakes the loop)."""
         compiling = self.structured_output.num_compiling() if self.structured_output else 0
-        return len(self.requests) > len(self.loading) + compiling
+        return len(self.table.requests) > len(self.table.loading) + compiling
 
     def has_finished_requests(self) -> bool:
         """Finishes the workers or the detokenizer have not been told of yet: worth a step."""
         return bool(
-            self._finished_req_ids
-            or self._pending_outputs
-            or (self.connector is not None and self.connector.has_pending_metadata())
+            self._finished_req_ids or self._pending_outputs or self.remote_kv.has_pending_metadata()
         )
 
     def take_finished_requests(self) -> list[Request]:
@@ -644,18 +536,14 @@ class Scheduler:
         return finished
 
     def take_events(self) -> list[KVCacheEvent]:
-        events = self.kv_cache_manager.block_pool.take_events()
-        if self.connector is not None:
-            events += self.connector.take_events()
-        return events
+        return self.kv_cache_manager.block_pool.take_events() + self.remote_kv.take_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's /reset_prefix_cache) and the connector's tiers
         beyond it; False while blocks are in use."""
         if not self.kv_cache_manager.block_pool.reset_prefix_cache():
             return False
-        if self.connector is not None:
-            self.connector.reset_prefix_cache()
+        self.remote_kv.reset_prefix_cache()
         return True
 
     def take_kv_cache_residency(self) -> KVCacheResidency | None:
@@ -664,63 +552,31 @@ class Scheduler:
         return metrics.take() if metrics is not None else None
 
     def get_stats(self) -> SchedulerStats:
-        # vLLM counts requests waiting for their KV as deferred; loaded ones wait for a place.
-        compiling = len(self.requests) - len(self.running) - len(self.waiting)
-        compiling -= len(self.loading) + len(self.loaded)
-        by_reason = {"capacity": len(self.loaded), "deferred": len(self.loading) + compiling}
-        for request in self.waiting:
-            by_reason[request.waiting_reason] += 1
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.loading) + len(self.loaded) + compiling,
-            num_waiting_by_reason=by_reason,
+            num_running_reqs=len(self.table.running),
+            num_waiting_reqs=self.table.num_waiting,
+            num_waiting_by_reason=self.table.waiting_by_reason(),
             kv_cache_usage=pool.get_usage(),
             prefix_cache_stats=pool.prefix_cache_stats,
-            connector_prefix_cache_stats=(
-                self.connector_prefix_cache_stats if self.connector is not None else None
-            ),
+            connector_prefix_cache_stats=self.remote_kv.prefix_cache_stats,
             num_preemptions=self.num_preemptions,
             step_num_scheduled_tokens=self._last_step_num_tokens,
         )
 
     def check_integrity(self) -> None:
-        """Raise ``RuntimeError`` unless requests, queues and the KV cache agree."""
+        """Raise ``RuntimeError`` unless requests, their states and the KV cache agree."""
         self.kv_cache_manager.check_integrity()
-        problems: list[str] = []
-        running_ids = [r.req_id for r in self.running]
-        waiting_ids = [r.req_id for r in self.waiting]
-        others = [*self.loading, *self.loaded]
-        others += [
-            r.req_id
-            for r in self.requests.values()
-            if r.status == RequestStatus.WAITING_FOR_GRAMMAR
-        ]
-        if sorted(running_ids + waiting_ids + others) != sorted(self.requests):
-            problems.append("running + waiting + loading + loaded != all requests")
-        if len(self.running) > self.scheduler_config.max_num_seqs:
-            problems.append(f"{len(self.running)} running > max_num_seqs")
-        tables = set(self.kv_cache_manager.req_to_blocks)
-        if tables != {*running_ids, *self.loading, *self.loaded, *self.held}:
+        table = self.table
+        problems = table.problems(self.scheduler_config.max_num_seqs)
+        block_tables = self.kv_cache_manager.req_to_blocks
+        running_ids = {r.req_id for r in table.running}
+        if set(block_tables) != {*running_ids, *table.loading, *table.loaded, *table.held}:
             problems.append("block tables are not those of running, loading, loaded, held requests")
         block_size = self.cache_config.block_size
-        for r in self.running:
-            table = self.kv_cache_manager.req_to_blocks.get(r.req_id, [])
-            if r.status != RequestStatus.RUNNING or not (
-                r.num_computed_tokens <= len(table) * block_size
-                and r.num_computed_tokens <= r.num_tokens
-            ):
-                problems.append(f"{r}: bad running state ({len(table)} blocks)")
-        for r in self.waiting:
-            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                problems.append(f"{r}: bad waiting state")
-            if r.num_computed_tokens != 0:
-                problems.append(f"{r}: waiting with computed tokens")
+        for r in table.running:
+            num_blocks = len(block_tables.get(r.req_id, []))
+            if not r.num_computed_tokens <= min(num_blocks * block_size, r.num_tokens):
+                problems.append(f"{r}: bad running state ({num_blocks} blocks)")
         if problems:
             raise RuntimeError("scheduler integrity: " + "; ".join(problems))
-
-
-def _num_to_compute(request: Request) -> int:
-    """Tokens of the request not yet in any plan: known ones, and with async scheduling the
-    ones its plans in flight sample (the workers feed those in themselves)."""
-    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
