@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from services.config import ConfigError, EngineConfig, add_engine_args, add_serve_args
-from services.flags import parse_size
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -107,46 +106,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="MODEL",
         help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--headless",
-        action="store_true",
-        help="run no API server, only this machine's worker ranks (with --nnodes, on "
-        "--node-rank > 0) or engine cores (with --data-parallel-size-local)",
-    )
-    p.add_argument(
-        "--kv-events-endpoint",
-        default=None,
-        help="publish KV cache events (vLLM's wire format) on this ZMQ endpoint (e.g. "
-        "tcp://127.0.0.1:5557), or 'auto': free loopback ports for events and replay, "
-        "reported at GET /kv_events",
-    )
-    p.add_argument(
-        "--kv-events-config",
-        default=None,
-        help='vLLM\'s JSON form: {"enable_kv_cache_events": true, "publisher": "zmq", '
-        '"endpoint": ..., "replay_endpoint": ..., "topic": ..., "buffer_steps": ...}',
-    )
-    p.add_argument(
-        "--kv-transfer-config",
-        default=None,
-        help='PD disaggregation, vLLM\'s JSON: {"kv_connector": "p2p", "kv_role": '
-        '"kv_producer"|"kv_consumer"|"kv_both", "kv_ip": ..., "kv_port": ..., '
-        '"kv_connector_extra_config": {"lease_s": ..., "pull_timeout_s": ...}}',
-    )
-    p.add_argument(
-        "--kv-offload-bytes",
-        type=parse_size,
-        default=None,
-        help="a host-memory tier of this many bytes (e.g. 4GiB) under the KV cache: evicted "
-        "prefix blocks go there and come back instead of being recomputed (the offload "
-        "connector; in a --kv-transfer-config, put it under multi)",
-    )
-    p.add_argument(
-        "--kv-offloading-size",
-        type=float,
-        default=None,
-        help="vLLM's name for --kv-offload-bytes, in GiB",
     )
     add_serve_args(p)
     p.set_defaults(func=_run_serve)

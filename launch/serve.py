@@ -32,7 +32,6 @@ from services.config import (
     ParallelConfig,
     ServeConfig,
 )
-from services.config.kv_transfer import KVTransferConfig
 from services.config.serve import load_chat_template as load_chat_template
 from services.flags import parse_json_object
 from services.ipc import IpcDir
@@ -215,25 +214,17 @@ def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: 
 def run_server(args: argparse.Namespace) -> int:
     config = ServeConfig.from_cli(args)
     engine = config.engine
-    flags = vars(args)
-    offload = flags.get("kv_offload_bytes")
-    if (gib := flags.get("kv_offloading_size")) is not None:
-        if offload is not None:
-            raise ConfigError("give --kv-offload-bytes or --kv-offloading-size, not both")
-        offload = int(gib * (1 << 30))
-    engine.kv_transfer = KVTransferConfig.from_flags(flags.get("kv_transfer_config"), offload)
     model = engine.model.model
     folder = prepare_engine_model(model, engine.model.load_format, engine.worker.sim_model)
     engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))
     master_port_chosen = resolve_master_port(engine.parallel)
     if engine.worker.worker_backend == "sim" and engine.worker.sim_speed != 1.0:
         os.environ.update(clock.set_sim_speed(engine.worker.sim_speed))  # children inherit it
-    a = vars(args)
     ipc = IpcDir()
     endpoints = Endpoints()
     for name in _SOCKETS:
         setattr(endpoints, name, ipc.endpoint(name))
-    kv_events_settings(endpoints, a.get("kv_events_endpoint"), a.get("kv_events_config"))
+    kv_events_settings(endpoints, config.kv_events_endpoint, config.kv_events_config)
     cross_node_endpoints(endpoints, engine.parallel)
     config.endpoints = endpoints
     config.model_folder = str(folder)
@@ -243,14 +234,14 @@ def run_server(args: argparse.Namespace) -> int:
         # llm-d's convention: the topic names the replica and the model.
         endpoints.kv_events_topic = f"kv@{config.host}:{config.port}@{config.served_model_names[0]}"
     parallel = engine.parallel
-    _check_headless(parallel, bool(a.get("headless")))
-    _check_restart(config, bool(a.get("headless")))
+    _check_headless(parallel, config.headless)
+    _check_restart(config, config.headless)
     if parallel.node_rank > 0:
         try:
             return run_headless(config)
         finally:
             ipc.cleanup()
-    if a.get("headless"):
+    if config.headless:
         return run_engine_node(config, ipc)
     if parallel.engines_span_nodes:
         config.endpoints.detok_tokens = head_endpoints(parallel)[1]

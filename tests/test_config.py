@@ -140,6 +140,15 @@ def test_every_server_field_with_flag_metadata_is_a_serve_flag(
         (["--max-request-body-bytes", "1MiB"], ("limits", "max_request_body_bytes"), 1 << 20),
         (["--max-n", "4"], ("limits", "max_n"), 4),
         (["--max-num-seqs", "7"], ("engine", "scheduler", "max_num_seqs"), 7),
+        (["--headless"], ("headless",), True),
+        (["--kv-events-endpoint", "auto"], ("kv_events_endpoint",), "auto"),
+        (["--kv-offload-bytes", "1GiB"], ("engine", "kv_transfer", "kv_connector"), "offload"),
+        (["--kv-offloading-size", "0.5"], ("kv_offloading_size",), 0.5),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "p2p", "kv_role": "kv_consumer"}'],
+            ("engine", "kv_transfer", "kv_role"),
+            "kv_consumer",
+        ),
     ],
 )
 def test_serve_flags_round_trip(argv: list[str], path: tuple[str, ...], expected) -> None:
@@ -162,6 +171,11 @@ def test_serve_flags_round_trip(argv: list[str], path: tuple[str, ...], expected
         (["--stream-send-timeout", "nan"], "--stream-send-timeout must be a positive number"),
         (["--max-logprobs", "-2"], "--max-logprobs must be -1"),
         (["--chat-template", "no/such/file.jinja"], "neither a file nor a template"),
+        (
+            ["--kv-offload-bytes", "1GiB", "--kv-offloading-size", "1"],
+            "give --kv-offload-bytes or --kv-offloading-size, not both",
+        ),
+        (["--kv-transfer-config", '{"kv_connector": "nope"}'], "kv_connector must be one of"),
     ],
 )
 def test_bad_serve_flag_is_a_clear_error(argv: list[str], message: str) -> None:

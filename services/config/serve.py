@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from services.config.engine import EngineConfig, add_engine_args
+from services.config.kv_transfer import KVTransferConfig
 from services.flags import (
     ConfigError,
     add_flags,
@@ -283,6 +284,51 @@ class ServeConfig:
         metadata=flag("no stats log line and no engine metrics (vllm:*) per step"),
     )
     kv_event_publishers: list[KVEventPublisherInfo] = field(default_factory=list)
+    # which part of a server this machine runs (multi-node)
+    headless: bool = field(
+        default=False,
+        metadata=flag(
+            "run no API server, only this machine's worker ranks (with --nnodes, on "
+            "--node-rank > 0) or engine cores (with --data-parallel-size-local)"
+        ),
+    )
+    # KV events and KV transfer: the launcher turns them into endpoints, from_cli into
+    # engine.kv_transfer
+    kv_events_endpoint: str | None = field(
+        default=None,
+        metadata=flag(
+            "publish KV cache events (vLLM's wire format) on this ZMQ endpoint (e.g. "
+            "tcp://127.0.0.1:5557), or 'auto': free loopback ports for events and replay, "
+            "reported at GET /kv_events"
+        ),
+    )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata=flag(
+            'vLLM\'s JSON form: {"enable_kv_cache_events": true, "publisher": "zmq", '
+            '"endpoint": ..., "replay_endpoint": ..., "topic": ..., "buffer_steps": ...}'
+        ),
+    )
+    kv_transfer_config: str | None = field(
+        default=None,
+        metadata=flag(
+            'PD disaggregation, vLLM\'s JSON: {"kv_connector": "p2p", "kv_role": '
+            '"kv_producer"|"kv_consumer"|"kv_both", "kv_ip": ..., "kv_port": ..., '
+            '"kv_connector_extra_config": {"lease_s": ..., "pull_timeout_s": ...}}'
+        ),
+    )
+    kv_offload_bytes: int | None = field(
+        default=None,
+        metadata=flag(
+            "a host-memory tier of this many bytes (e.g. 4GiB) under the KV cache: evicted "
+            "prefix blocks go there and come back instead of being recomputed (the offload "
+            "connector; in a --kv-transfer-config, put it under multi)",
+            type=parse_size,
+        ),
+    )
+    kv_offloading_size: float | None = field(
+        default=None, metadata=flag("vLLM's name for --kv-offload-bytes, in GiB")
+    )
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> ServeConfig:
@@ -297,6 +343,10 @@ class ServeConfig:
         )
         config.chat_template = load_chat_template(config.chat_template)
         config.validate()
+        offload = config.kv_offload_bytes
+        if config.kv_offloading_size is not None:
+            offload = int(config.kv_offloading_size * (1 << 30))
+        config.engine.kv_transfer = KVTransferConfig.from_flags(config.kv_transfer_config, offload)
         return config
 
     def validate(self) -> None:
@@ -313,6 +363,8 @@ class ServeConfig:
             raise ConfigError("--enable-log-outputs needs --enable-log-requests")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("--max-log-len must be at least 0")
+        if self.kv_offload_bytes is not None and self.kv_offloading_size is not None:
+            raise ConfigError("give --kv-offload-bytes or --kv-offloading-size, not both")
 
 
 def load_chat_template(value: str | None) -> str | None:
