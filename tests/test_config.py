@@ -145,6 +145,11 @@ def test_every_server_field_with_flag_metadata_is_a_serve_flag(
         (["--kv-offload-bytes", "1GiB"], ("engine", "kv_transfer", "kv_connector"), "offload"),
         (["--kv-offloading-size", "0.5"], ("kv_offloading_size",), 0.5),
         (
+            ["--kv-offloading-size", "0.5"],
+            ("engine", "kv_transfer", "kv_connector_extra_config", "kv_offload_bytes"),
+            1 << 29,
+        ),
+        (
             ["--kv-transfer-config", '{"kv_connector": "p2p", "kv_role": "kv_consumer"}'],
             ("engine", "kv_transfer", "kv_role"),
             "kv_consumer",
@@ -155,7 +160,7 @@ def test_serve_flags_round_trip(argv: list[str], path: tuple[str, ...], expected
     """parse -> ServeConfig.from_cli -> the field holds the flag's value, typed."""
     value = _serve_config(*argv)
     for name in path:
-        value = getattr(value, name)
+        value = value[name] if isinstance(value, dict) else getattr(value, name)
     assert value == expected and type(value) is type(expected)
 
 

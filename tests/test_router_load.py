@@ -136,6 +136,11 @@ def test_whole_answers_streams_and_passthrough_release(ledger, router) -> None: 
     ledger.settle()
     assert len(ledger.guards) == 7
     assert _in_flight(router) == [0, 0]
+    # The two whole answers were delivered: each keeps its place in its replica's queue
+    # until that replica's next load reading (none in this test: health checks every 60 s).
+    whole = [g for g in ledger.guards if g.req is not None and not g.req.stream]
+    holders = {id(g.replica): g.replica for g in whole}.values()
+    assert len(whole) == 2 and sum(r.unseen for r in holders) == 2
 
 
 def test_a_client_that_leaves_releases(ledger, replicas, router) -> None:  # noqa: ANN001
@@ -143,7 +148,9 @@ def test_a_client_that_leaves_releases(ledger, replicas, router) -> None:  # noq
         r.chunk_delay = 0.05
     body = {"model": "fake", "prompt": "x", "max_tokens": 100, "stream": True}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as r:
-        next(r.iter_lines())  # mid-stream
+        lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
+        next(lines)  # mid-stream: the booking is held while the answer streams
+        assert sum(_in_flight(router)) == 1 and not ledger.guards[0].released
     for r in replicas:
         r.chunk_delay = 1.0
     with pytest.raises(httpx.ReadTimeout):  # before the first byte

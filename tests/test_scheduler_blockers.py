@@ -98,7 +98,7 @@ def test_a_blocker_at_random_steps_never_changes_the_tokens(workload, depth, see
     sched = core.scheduler
     step_no = 0
 
-    def held(request: Request) -> bool:  # about half the requests, in about half the steps
+    def held(request: Request) -> bool:  # a quarter of the (request, step) pairs
         return zlib.crc32(f"{seed}:{request.req_id}:{step_no}".encode()) % 4 == 0
 
     sched.add_blocker("random", held)

@@ -256,3 +256,47 @@ def test_a_rejected_stream_raises_its_status_before_any_event():
     with pytest.raises(EngineRequestError) as e:
         asyncio.run(completion.create_completion(completion_request(stream=True), http_request()))
     assert e.value.status == 429 and frontend.sent == []
+
+
+class TokenizingFrontend(ScriptedFrontend):
+    """Answers tokenize requests with one id per character and detokenize with the ids'
+    characters, recording what reached it."""
+
+    def __init__(self) -> None:
+        super().__init__(two_words)
+        self.tokenized: list[Any] = []
+
+    async def tokenize(self, req: Any) -> Any:
+        from services.protocol import TokenizeResult
+
+        self.tokenized.append(req)
+        text = req.prompt if req.prompt is not None else "".join(m["content"] for m in req.messages)
+        strs = list(text) if req.return_token_strs else None
+        return TokenizeResult(req.req_id, [ord(c) for c in text], 2048, strs)
+
+    async def detokenize(self, req: Any) -> Any:
+        from services.protocol import DetokenizeResult
+
+        return DetokenizeResult(req.req_id, "".join(map(chr, req.token_ids)))
+
+
+def test_tokenize_and_detokenize_go_to_the_tokenizers_in_vllms_shapes():
+    from services.api_server.protocol import DetokenizeRequest
+    from services.api_server.serving_tokenize import TokenizeServing
+
+    frontend = TokenizingFrontend()
+    serving = TokenizeServing(frontend, ServerSettings([MODEL]))  # type: ignore[arg-type]
+    plain = asyncio.run(
+        serving.tokenize({"model": MODEL, "prompt": "hi", "return_token_strs": True})
+    )
+    assert full(plain) == {"count": 2, "max_model_len": 2048, "tokens": [104, 105],
+                           "token_strs": ["h", "i"]}  # fmt: skip
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "yo"}]}
+    assert full(asyncio.run(serving.tokenize(chat)))["tokens"] == [121, 111]
+    assert frontend.tokenized[1].messages[0]["content"] == "yo"
+    assert frontend.tokenized[1].add_generation_prompt  # vLLM's default for chat
+    back = DetokenizeRequest.model_validate({"model": MODEL, "tokens": [104, 105]})
+    assert full(asyncio.run(serving.detokenize(back))) == {"prompt": "hi"}
+    with pytest.raises(APIError) as e:  # an unknown model: refused before any tokenizer
+        asyncio.run(serving.tokenize({"model": "other", "prompt": "hi"}))
+    assert e.value.status == 404 and len(frontend.tokenized) == 2

@@ -1,7 +1,7 @@
 """How p2p's held KV blocks move from a prefill rank to a decode rank: one interface, a
 transport per way of moving them (``kv_connector_extra_config.transport``).
 
-The p2p connector (``p2p.py``) does everything else, the same for every transport, over
+The p2p connector (the ``p2p`` package) does everything else, the same for every transport, over
 the side channel (``side_channel.py``): holds and their leases, renewals, the check of a
 pull against its hold (blocks, generations, layout), the release after it, and the
 reports to the scheduler. A transport is only the bytes:

@@ -9,7 +9,7 @@
 4. The proxy drops that token and sends the original request, with those params, to a
    decode instance (``--decode-policy``, by load).
 5. The decode instance pulls the KV from the prefill instance's workers (never through
-   the proxy; ``services/kv_transfer/p2p.py``) and generates.
+   the proxy; ``services/kv_transfer/p2p/``) and generates.
 6. Its answer streams back through the proxy as it comes.
 
 Each side is a ``Router`` over its instances: health checks, load readings, retries on
