@@ -327,10 +327,10 @@ class TokenBatch(msgspec.Struct, **_STRUCT):
 #
 # Sockets and what they carry (each union member is tagged with its class name):
 #   api_server  -PUSH TokenizerInput->     tokenizer (xN, round robin)
-#   tokenizer   -PUSH EngineCoreInput->    scheduler      (TokenizedRequest)
+#   tokenizer   -PUSH EngineCoreInput->    scheduler      (TokenizedBatch: a group's requests)
 #   api_server  -PUSH EngineCoreInput->    scheduler      (Abort)
 #   detokenizer -PUSH EngineCoreInput->    scheduler      (FinishRequest)
-#   tokenizer   -PUSH RequestOutputSpec->  detokenizer    (sent before the TokenizedRequest)
+#   tokenizer   -PUSH RequestOutputSpec->  detokenizer    (sent before the TokenizedBatch)
 #   scheduler   -PUSH TokenBatch->         detokenizer
 #   tokenizer, detokenizer -PUSH ApiServerInput-> api_server
 #   launcher    -PUSH ApiServerInput->     api_server     (EngineDead, EngineRestarted)
@@ -414,6 +414,15 @@ class TokenizedRequest(msgspec.Struct, **_TAGGED):
     kv_transfer_params: dict[str, object] | None = None
 
 
+class TokenizedBatch(msgspec.Struct, **_TAGGED):
+    """The requests of one ``GenerateBatch`` bound for one engine, in one message: the
+    scheduler adds them all before its next step, so a group's prompts and ``n`` choices
+    share their steps from the first one on (as the offline ``LLM``'s do), and seeded
+    choices come out the same run after run."""
+
+    requests: list[TokenizedRequest]
+
+
 class Abort(msgspec.Struct, **_TAGGED):
     """Stop these requests now (client gone, or the server is shutting down)."""
 
@@ -447,7 +456,7 @@ class KVTransferDone(msgspec.Struct, **_TAGGED):
     connector: int = 0  # which of ``multi``'s connectors reports (0 for a lone one)
 
 
-EngineCoreInput = TokenizedRequest | Abort | FinishRequest | KVTransferDone
+EngineCoreInput = TokenizedRequest | TokenizedBatch | Abort | FinishRequest | KVTransferDone
 
 
 class RequestOutputSpec(msgspec.Struct, **_STRUCT):

@@ -25,6 +25,7 @@ from services.protocol import (
     EngineCoreInput,
     RequestTokens,
     TokenBatch,
+    TokenizedBatch,
     TokenizedRequest,
     TokenLogprobs,
 )
@@ -52,10 +53,13 @@ class FakeScheduler:
     def run(self) -> None:
         while not self.stop.is_set():
             while (msg := self.inbox.recv(timeout_ms=0 if self.running else 20)) is not None:
-                self.received.append(msg)
-                if isinstance(msg, TokenizedRequest):
-                    self.running[msg.req_id] = (msg, 0)
+                if isinstance(msg, TokenizedBatch):
+                    self.received += msg.requests
+                    for req in msg.requests:
+                        self.running[req.req_id] = (req, 0)
                 else:
+                    self.received.append(msg)
+                    assert not isinstance(msg, TokenizedRequest)  # the tokenizer sends batches
                     ids = msg.req_ids if isinstance(msg, Abort) else [msg.req_id]
                     items = [
                         RequestTokens(i, [], "abort") for i in ids if self.running.pop(i, None)

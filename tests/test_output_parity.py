@@ -184,10 +184,9 @@ def _check_row(
     llm: LLM, sampling: dict[str, Any], offline: RequestOutput, online: dict[str, Any]
 ) -> None:
     choices = sorted(online["choices"], key=lambda c: c["index"])
-    # The server's n choices reach the scheduler as n messages: a step may start between
-    # them, so their batches (and the last bits of their logprobs, ~5e-6 seen) can differ
-    # from offline's, where all n join one step. Alone, a request's batches are the same.
-    tol = 1e-6 if len(choices) == 1 else 1e-4
+    # The server's n choices reach the scheduler in one message (TokenizedBatch) and join
+    # one step, as offline: their batches, and so their logprobs, are the same both ways.
+    tol = 1e-6
     assert len(choices) == len(offline.outputs) == sampling.get("n", 1)
     for want, got in zip(offline.outputs, choices, strict=True):
         assert got["prompt_token_ids"] == offline.prompt_token_ids

@@ -17,6 +17,7 @@ from services.protocol import (
     RequestError,
     RequestOutputSpec,
     SamplingParams,
+    TokenizedBatch,
     TokenizedRequest,
     TokenizeRequest,
     TokenizeResult,
@@ -153,8 +154,10 @@ def test_service_loop_routes_messages(proc):
             requests.send(GenerateBatch([bad]))
             requests.send(TokenizeRequest("tok", prompt="hi"))
             spec = specs.recv(timeout_ms=5000)
-            tokenized = core.recv(timeout_ms=5000)
+            batch = core.recv(timeout_ms=5000)
             assert isinstance(spec, RequestOutputSpec) and spec.req_id == "ok"
+            assert isinstance(batch, TokenizedBatch) and len(batch.requests) == 1
+            (tokenized,) = batch.requests
             assert isinstance(tokenized, TokenizedRequest) and tokenized.req_id == "ok"
             replies = {m.req_id: m for m in (api.recv(timeout_ms=5000), api.recv(timeout_ms=5000))}
             assert isinstance(replies["bad"], RequestError) and replies["bad"].status == 400

@@ -31,6 +31,7 @@ from services.protocol import (
     RequestTokens,
     StepPlan,
     TokenBatch,
+    TokenizedBatch,
     TokenizedRequest,
 )
 from services.scheduler.engine_core import EngineCore
@@ -146,7 +147,10 @@ class EngineCoreProc:
         sched = self.scheduler
         if msg is None:
             return
-        if isinstance(msg, TokenizedRequest):
+        if isinstance(msg, TokenizedBatch):
+            for request in msg.requests:
+                self._handle(request)
+        elif isinstance(msg, TokenizedRequest):
             self._received = True
             if msg.req_id in self._early_aborts:
                 # Aborted before it arrived: report it finished, never run it.

@@ -31,6 +31,8 @@ from services.protocol import (
     GenerateBatch,
     RequestError,
     RequestOutputSpec,
+    TokenizedBatch,
+    TokenizedRequest,
     TokenizeRequest,
     TokenizerInput,
 )
@@ -121,12 +123,16 @@ def serve_tokenizer(
                     if isinstance(routes, RequestError):
                         api.send(routes)
                         continue
+                    # The specs go first so the detokenizer usually knows the requests
+                    # before their first tokens (it buffers them otherwise); each engine
+                    # gets its share of the group in one message (one step admits it all).
+                    groups: dict[int, list[TokenizedRequest]] = {}
                     for out, d in zip(outs, routes, strict=True):
                         assert not isinstance(out, RequestError)
-                        # The spec goes first so the detokenizer usually knows the
-                        # request before its first tokens (it buffers them otherwise).
                         specs.send(out[1])
-                        engines[d].send(out[0])
+                        groups.setdefault(d, []).append(out[0])
+                    for d, group in groups.items():
+                        engines[d].send(TokenizedBatch(group))
                 elif isinstance(msg, TokenizeRequest):
                     api.send(processor.tokenize(msg))
                 elif isinstance(msg, DetokenizeRequest):
