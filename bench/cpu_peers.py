@@ -50,6 +50,7 @@ class Server:
     cmd: list[str]  # with PORT for the port
     env: dict[str, str]
     ready_s: float  # how long start-up may take
+    cwd: Path = REPO  # where it runs (bench.revisions: a worktree of another commit)
 
     def start(self) -> _Process:
         port = str(free_port())
@@ -57,7 +58,7 @@ class Server:
         env_before = dict(os.environ)
         os.environ.update(self.env)
         try:
-            proc = _Process(cmd, name=self.name)
+            proc = _Process(cmd, name=self.name, cwd=self.cwd)
         finally:
             os.environ.clear()
             os.environ.update(env_before)

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cpu_peers import COMMON, RESULTS, WORKLOADS, _cpu_name
-from bench.procs import REPO, _Process, free_port
+from bench.cpu_peers import RESULTS, WORKLOADS, Server, _cpu_name, run_one
+from bench.procs import REPO
 
 METRICS = (  # (workload, result key, label, higher is better)
     ("W1", "output_throughput", "W1 output tok/s", True),
@@ -42,28 +42,12 @@ def _git(*args: str) -> str:
     ).stdout.strip()
 
 
-def run_one(tree: Path, workload: str, out_dir: Path, tag: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", str(free_port()),
+def server(rev: str, tree: Path) -> Server:
+    """Our server, default model and flags, from the worktree ``tree`` of ``rev``: run there,
+    with that tree's packages ahead of the editable install."""
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", "PORT",
            "--max-model-len", "2048", "--served-model-name", "smol"]  # fmt: skip
-    env_before = dict(os.environ)
-    os.environ["PYTHONPATH"] = str(tree)  # this revision's packages before the editable install
-    try:
-        server = _Process(cmd, name="serve", cwd=tree)
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
-    try:
-        server.wait_ready(300)
-        name = f"{tag}-{workload}.json"
-        bench = [sys.executable, "-m", "launch.cli", "bench", "--base-url", server.url, *COMMON,
-                 *WORKLOADS[workload], "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
-        run = subprocess.run(bench, cwd=REPO, capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"bench against {tree} failed: {run.stderr[-2000:]}")
-        result = json.loads((out_dir / name).read_text())
-    finally:
-        server.close()
-    return {key: result[key] for _, key, _, _ in METRICS} | {"completed": result["completed"]}
+    return Server(rev, cmd, {"PYTHONPATH": str(tree)}, 300, cwd=tree)
 
 
 def summarize(revs: list[str], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -126,9 +110,8 @@ def main() -> int:
                 for rev in order:
                     for workload in args.workloads:
                         start = time.monotonic()
-                        out = Path(tmp) / "out"
-                        row = run_one(trees[rev], workload, out, f"{rev}-{round_}")
-                        runs.append({"rev": rev, "round": round_, "workload": workload, **row})
+                        row = run_one(server(rev, trees[rev]), workload, Path(tmp) / "out")
+                        runs.append({**row, "rev": rev, "round": round_})
                         print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.rounds} "
                               f"{rev} {workload}: {row['output_throughput']:.1f} tok/s, TTFT p50 "
                               f"{row['median_ttft_ms']:.0f} ms, TPOT p50 {row['median_tpot_ms']:.1f} ms "

@@ -18,9 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.api_server.frontend import EngineFrontend, EngineRequestError
 from services.api_server.http_io import (
-    APIError,
     AuthMiddleware,
-    ClientGone,
     InternalErrorMiddleware,
     XRequestIdMiddleware,
     document_bodies,
@@ -40,6 +38,7 @@ from services.api_server.serving_base import ServerSettings
 from services.api_server.serving_chat import ChatServing
 from services.api_server.serving_completion import CompletionServing
 from services.api_server.serving_tokenize import TokenizeServing
+from services.http.errors import add_error_handlers
 from services.metrics.process_metrics import api_requests, engine_restarts
 from services.metrics.registry import render_latest
 
@@ -64,17 +63,11 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     requests_sent = api_requests(names[0] if names else "")
     frontend.on_restarted = engine_restarts(names[0] if names else "")
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, param=e.param)
+    add_error_handlers(app)  # APIError as its OpenAI error, ClientGone as a 499
 
     @app.exception_handler(EngineRequestError)
     async def _engine_error(_: Request, e: EngineRequestError) -> JSONResponse:
         return error_response(e.status, e.message, e.error_type, e.param)
-
-    @app.exception_handler(ClientGone)
-    async def _client_gone(_: Request, e: ClientGone) -> Response:
-        return Response(status_code=499)  # nginx's "client closed request"; no one reads it
 
     @app.exception_handler(ParamError)
     async def _param_error(_: Request, e: ParamError) -> JSONResponse:

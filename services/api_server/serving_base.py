@@ -26,6 +26,7 @@ from services.api_server.http_io import (
 )
 from services.api_server.serving import Deltas, ResponseContext
 from services.config import RequestLimits
+from services.http.errors import client_closed
 from services.protocol import GenerateRequest, SamplingParams
 
 # (engine request id, the choice's sampling parameters, prompt index) -> its engine request
@@ -154,7 +155,7 @@ class ServingBase:
             # Wait for the first delta so a rejected request still gets its 4xx status.
             first = await until_disconnect(request, anext(deltas))
         except ClientGone:
-            return Response(status_code=499)
+            return client_closed()
         return BoundedStreamingResponse(
             stream_fn(prepend(first, deltas)), self.settings.limits.stream_send_timeout
         )
