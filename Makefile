@@ -48,18 +48,26 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.attention_cpu
 	$(BIN)/python -m bench.offline
 
-# On a machine with an NVIDIA GPU: kernel tests on CUDA, then kernel and 8B-decode timings,
-# into bench/out/gpu_check.json. Runs in .venv if `make install` built it, else in python3 as
-# it comes (its own torch and triton; GPU_CHECK_PY=... picks another), with the wheels from
-# `make gpu-wheels` in .whl/ for what it lacks: a lent GPU machine has no network.
+# On a machine with an NVIDIA GPU: kernel tests on CUDA, kernel timings, the model runner's
+# 8B decode and prefill steps (eager and CUDA graphs), then the whole server on that model
+# under actorserve bench, into bench/out/gpu_check.json (~6-8 minutes). Runs in .venv if
+# `make install` built it, else in python3 as it comes (its own torch and triton;
+# GPU_CHECK_PY=... picks another), with the wheels from `make gpu-wheels` in .whl/ for what
+# it lacks: a lent GPU machine has no network.
 gpu-check:
 	bash bench/gpu_check_device.sh run
 
 # Where pip reaches PyPI: the wheels (cp312) that gpu-check needs and a lent GPU machine
 # lacks, into .whl/ (git-ignored), to carry there.
-.PHONY: gpu-wheels
+.PHONY: gpu-wheels gpu-check-dry
 gpu-wheels:
 	bash bench/gpu_check_device.sh fetch
+
+# Without a GPU, before spending GPU minutes: gpu-check's runner and server parts with a
+# tiny model on the CPU, seeing only the GPU machine's packages and the wheels (~1 minute;
+# bench/out/dry-run/).
+gpu-check-dry: $(STAMP)
+	bash bench/gpu_check_device.sh dry-run
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,5 @@
-"""Kernels: Triton paged attention and KV-cache write (GPU), a C++ paged-attention op (CPU).
+"""Kernels: Triton paged attention, KV-cache write and fused elementwise ops (GPU), a C++
+paged-attention op (CPU).
 
 Triton compiles only for GPUs. On a machine without one the kernels run in Triton's
 interpreter (numpy, slow, but the same code), which is how the CPU test suite checks
@@ -19,7 +20,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-__all__ = ["num_kv_splits", "paged_attention", "reshape_and_cache"]
+__all__ = [
+    "num_kv_splits",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_and_cache",
+    "silu_and_mul",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -31,4 +39,8 @@ def __getattr__(name: str) -> Any:
         from actorserve_kernels.kv_cache import reshape_and_cache
 
         return reshape_and_cache
+    if name in ("rms_norm", "rotary_and_cache", "silu_and_mul"):
+        from actorserve_kernels import fused
+
+        return getattr(fused, name)
     raise AttributeError(f"module 'actorserve_kernels' has no attribute {name!r}")

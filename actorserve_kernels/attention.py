@@ -260,6 +260,20 @@ def num_kv_splits(
     return 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
 
 
+def split_buffer_numel(num_tokens: int, num_q_heads: int, num_splits: int, head_dim: int) -> int:
+    """fp32 elements of split-KV scratch: each (token, head, split)'s accumulator, max, sum."""
+    return num_tokens * num_q_heads * num_splits * (head_dim + 2)
+
+
+def max_split_rows(num_kv_heads: int, num_sms: int) -> int:
+    """The most (sequences x splits) a decode step can split into, whatever its batch and
+    context (``num_kv_splits`` stops splitting at ``2 * num_sms`` programs)."""
+    return max(
+        b * num_kv_splits(b, num_kv_heads, 1, MAX_SPLITS * MIN_TOKENS_PER_SPLIT, num_sms)
+        for b in range(1, 2 * num_sms + 1)
+    )
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(f"paged_attention: {msg}")
@@ -277,6 +291,7 @@ def paged_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    split_buffer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the batch's new tokens over their paged context.
 
@@ -293,6 +308,9 @@ def paged_attention(
         out: optional output buffer shaped like ``query``.
         num_splits: force the number of split-KV ranges (a power of two); ``None`` uses
             the heuristic ``num_kv_splits``.
+        split_buffer: fp32 scratch of at least ``split_buffer_numel`` elements for the
+            split partials, so that nothing is allocated (a CUDA graph replays with it);
+            ``None`` allocates them when splitting.
 
     Returns:
         ``out``: ``[T, num_q_heads, head_dim]`` in ``query``'s dtype.
@@ -329,13 +347,19 @@ def paged_attention(
     _check(num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: power of two")
 
     if num_splits > 1:
-        split_acc = torch.empty(
-            (num_tokens, num_q_heads, num_splits, head_dim),
-            dtype=torch.float32,
-            device=query.device,
+        rows = num_tokens * num_q_heads * num_splits
+        needed = split_buffer_numel(num_tokens, num_q_heads, num_splits, head_dim)
+        if split_buffer is None:
+            split_buffer = torch.empty(needed, dtype=torch.float32, device=query.device)
+        _check(
+            split_buffer.dtype == torch.float32 and split_buffer.numel() >= needed,
+            f"split_buffer needs {needed} fp32 elements",
         )
-        split_max = torch.empty(split_acc.shape[:3], dtype=torch.float32, device=query.device)
-        split_sum = torch.empty_like(split_max)
+        split_acc = split_buffer[: rows * head_dim].view(
+            num_tokens, num_q_heads, num_splits, head_dim
+        )
+        split_max = split_buffer[rows * head_dim : rows * (head_dim + 1)]
+        split_sum = split_buffer[rows * (head_dim + 1) : needed]
     else:
         split_acc = split_max = split_sum = out  # not touched
 

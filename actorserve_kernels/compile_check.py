@@ -8,7 +8,7 @@ runs the public wrappers on small CPU tensors with the kernel launches intercept
 hands each launch to ``triton.compile`` for each ``sm_<arch>``, Triton's bundled ptxas
 included.
 Positional launch arguments are runtime values and keyword ones constexprs, as the
-wrappers pass them. Exit status 0 when all compile, 2 when the kernels were interpreted
+wrappers pass them (``num_warps`` and ``num_stages`` are compiler options). Exit status 0 when all compile, 2 when the kernels were interpreted
 (``kernels`` turns the interpreter on for CPU-only hosts unless TRITON_INTERPRET=0).
 """
 
@@ -26,10 +26,15 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 import actorserve_kernels.attention as attention
+import actorserve_kernels.fused as fused
 import actorserve_kernels.kv_cache as kv_cache
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64"}  # fmt: skip
+
+
+# Launch keywords that are compiler options, not the kernel's constexprs.
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 class _Capture:
@@ -62,6 +67,9 @@ def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
         (attention, "_paged_attention_kernel"),
         (attention, "_reduce_splits_kernel"),
         (kv_cache, "_reshape_and_cache_kernel"),
+        (fused, "_rms_norm_kernel"),
+        (fused, "_silu_and_mul_kernel"),
+        (fused, "_rotary_and_cache_kernel"),
     ]
     captures = [(mod, name, _Capture(getattr(mod, name))) for mod, name in kernels]
     for mod, name, cap in captures:
@@ -83,9 +91,19 @@ def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
                 q, cache, cache, table, qsl, seq_lens, max(q_lens), 40, num_splits=splits
             )
             kv = torch.empty(sum(q_lens), hkv, d, dtype=dtype)
-            kv_cache.reshape_and_cache(
-                kv, kv, cache, cache, torch.zeros(sum(q_lens), dtype=torch.int64)
-            )
+            slots = torch.zeros(sum(q_lens), dtype=torch.int64)
+            kv_cache.reshape_and_cache(kv, kv, cache, cache, slots)
+            # The fused ops, at a Llama-3-8B width (4096, MLP 14336) and at SmolLM2's (576).
+            hidden = 4096 if d == 128 else 576
+            x = torch.empty(sum(q_lens), hidden, dtype=dtype)
+            weight = torch.empty(hidden, dtype=dtype)
+            fused.rms_norm(x, weight, 1e-5)
+            fused.rms_norm(x, weight, 1e-5, residual=x)
+            fused.silu_and_mul(torch.empty(sum(q_lens), 2 * 3 * hidden, dtype=dtype))
+            qkv = torch.empty(sum(q_lens), hq + 2 * hkv, d, dtype=dtype)
+            cos = torch.empty(sum(q_lens), 1, d, dtype=dtype)
+            fused.rotary_and_cache(qkv[:, : hq + hkv], qkv[:, hq + hkv :], cos, cos, hq,
+                                   cache, cache, slots)  # fmt: skip
     finally:
         for mod, name, cap in captures:
             setattr(mod, name, cap.fn)
@@ -101,20 +119,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seen, failed = set(), 0
     launches = _launch_variants()
-    for arch, (name, fn, launch_args, constexprs) in ((a, v) for a in args.arch for v in launches):
+    for arch, (name, fn, launch_args, kwargs) in ((a, v) for a in args.arch for v in launches):
+        options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
+        constexprs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
         source = _source(fn, launch_args, constexprs)
-        key = repr((arch, name, source.signature, constexprs))
+        key = repr((arch, name, source.signature, constexprs, options))
         if key in seen:
             continue
         seen.add(key)
         start = time.monotonic()
         try:
-            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
             detail = f"{compiled.metadata.shared} B shared"
         except Exception as e:  # report every variant, not just the first failure
             failed += 1
             detail = f"FAILED\n{e}"
-        print(f"sm_{arch} {name} {constexprs}: {detail} ({time.monotonic() - start:.1f} s)")
+        print(
+            f"sm_{arch} {name} {constexprs | options}: {detail} ({time.monotonic() - start:.1f} s)"
+        )
     print(f"{len(seen) - failed}/{len(seen)} variants compiled")
     return 1 if failed else 0
 

@@ -53,6 +53,13 @@ def _reshape_and_cache_kernel(
     tl.store(vc + offs_d, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def check_last_dim_contiguous(fn: str, **tensors: torch.Tensor) -> None:
+    """ValueError naming the first of ``tensors`` whose last dim is not contiguous."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must be contiguous in its last dim")
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -77,14 +84,9 @@ def reshape_and_cache(
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"reshape_and_cache: slot_mapping must be [{num_tokens}]")
-    for name, t in (
-        ("key", key),
-        ("value", value),
-        ("key_cache", key_cache),
-        ("value_cache", value_cache),
-    ):
-        if t.stride(-1) != 1:
-            raise ValueError(f"reshape_and_cache: {name} must be contiguous in head_dim")
+    check_last_dim_contiguous(
+        "reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache
+    )
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](

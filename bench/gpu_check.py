@@ -1,4 +1,4 @@
-"""GPU check of the Triton kernels: correctness on CUDA, then timings against references.
+"""GPU check: the Triton kernels on CUDA, the model runner's step and the whole server.
 
 For a machine with an NVIDIA GPU (``make gpu-check``); the whole run fits in ~8 minutes.
 
@@ -9,23 +9,32 @@ For a machine with an NVIDIA GPU (``make gpu-check``); the whole run fits in ~8 
    decode (batch 64 and 256, context 2048) and prefill, ours against torch's
    ``scaled_dot_product_attention`` (flash backend; same data, contiguous) and against the
    floor K/V bytes / bandwidth.
-4. A Llama-3-8B-shaped model with random weights (the model runner, triton backend):
-   one decode step at batch 1, 64 and 256, context 2048, against (weight bytes + KV
-   bytes) / bandwidth.
-
+4. The model runner's real step, ``ModelRunner.execute(plan)`` over synthetic step plans,
+   on a Llama-3-8B-shaped model with random weights (``bench/gpu_decode.py``, one process
+   per mode): decode at batch 1, 16, 64 and 256, context 2048, eager and with CUDA graphs,
+   against (weight bytes + KV bytes) / bandwidth; a 1,024-token prefill.
 5. NCCL with one rank (the lent machine has one GPU): the process group forms over TCP on
    loopback as ``init_distributed`` forms it, and all-reduce and all-gather on CUDA
    tensors give the right values (the code path of TP; the scaling is not measurable here).
+6. The whole server on that model (``bench/gpu_serve.py``): ``actorserve serve
+   --load-format dummy``, then ``actorserve bench`` 1,024 in / 256 out at concurrency 1, 256
+   and 64: throughput, TTFT, TPOT, and the engine's share of a step from the worker's step
+   timeline, beside what part 4's step times allow. Then issue 31's goals, met or not.
 
 Before any of it, every module these parts use is imported (so that a missing package shows
 up at once, also on a machine without a GPU) and the third-party distributions that loaded
 are listed. A lent GPU machine runs it with its own torch and triton through
-``bench/gpu_check_device.sh``, which brings the few packages it lacks as wheels.
+``bench/gpu_check_device.sh``, which brings the packages it lacks as wheels.
 
-Times are medians over many runs after warm-up, from CUDA events. Prints one table and
-writes the results as JSON (``--out``), after each part, so that a part that fails, a
-timeout (SIGTERM) or Ctrl-C still leaves the table and JSON of what ran. Exit status: 0 if
-the tests passed and every part ran, 1 if not, 2 without a GPU (after the imports).
+``--dry-run`` runs parts 4 and 6 on the CPU with a 2-layer model (no GPU, a few minutes):
+the imports, the plans, the server with its synthetic tokenizer, the client, the JSON.
+
+Kernel times are medians over many runs after warm-up, from CUDA events; runner steps are
+host wall time around ``execute()`` (which ends with the sampled ids on the host). Prints
+tables and writes the results as JSON (``--out``), after each part, so that a part that
+fails, a timeout (SIGTERM) or Ctrl-C still leaves the tables and JSON of what ran. Exit
+status: 0 if the tests passed and every part ran, 1 if not, 2 without a GPU (after the
+imports; not with ``--dry-run``).
 """
 
 from __future__ import annotations
@@ -95,11 +104,18 @@ def row(
 
 # Every module that the parts below import, here or in the pytest subprocess: a package that
 # is missing (a lent GPU machine's image has no msgspec or gguf, say) shows up at once.
+# Parts 4 and 6 start processes: the server's (launch.child ROLE: each role's module below) and
+# the bench client's; importing their modules here finds a missing package in the first
+# seconds instead of minutes later in a child's log.
 MODULES = (
     "triton", "numpy", "pytest", "actorserve_kernels", "actorserve_kernels.attention", "actorserve_kernels.kv_cache",
     "services.config", "services.model_loader.weights", "services.gpu_worker.model_runner",
     "services.gpu_worker.attention.torch_backend", "services.gpu_worker.model.llama",
-    "tests.conftest", "tests.test_kernels",
+    "tests.conftest", "tests.test_kernels", "bench.gpu_decode", "bench.gpu_serve",
+    "launch.cli", "launch.serve", "launch.child", "services.gpu_worker.worker",
+    "services.scheduler.service", "services.tokenizer.service", "services.detokenizer.service",
+    "services.api_server.process", "zmq", "uvicorn", "httptools", "uvloop", "bench.serve",
+    "bench.client", "bench.metrics", "prometheus_client.parser",
 )  # fmt: skip
 OURS = {"services", "actorserve_kernels", "launch", "bench", "tests"}
 
@@ -237,7 +253,7 @@ def attention_case(kind: str, batch: int, q_len: int, ctx: int, bandwidth: float
     ref = cuda_time_ms(ref_call)
     ref_out = ref_call().transpose(1, 2).reshape(out.shape)
     err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
-    notes = [f"rel err vs sdpa {err:.1e}" + (" (TOO HIGH)" if err > 2e-2 else "")]
+    notes = [f"ref: sdpa; rel err {err:.1e}" + (" (TOO HIGH)" if err > 2e-2 else "")]
     if kind == "prefill":
         flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * q_len * (q_len + 1) / 2
         notes.append(f"{flops / ours / 1e9:.0f} vs {flops / ref / 1e9:.0f} TFLOP/s")
@@ -267,89 +283,137 @@ def bench_attention(bandwidth: float, deadline: float, rows: list[dict]) -> None
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------- 4. model decode step
+# ---------------------------------------------------------------- 4. the runner's step
 
 
-def _gpu_dummy_weights(arch: Any):
-    """Random N(0, 0.02) weights made on the GPU (the CPU would take minutes for 8B)."""
-    from services.model_loader.weights import param_shapes
+def bench_decode(
+    args: argparse.Namespace, bandwidth: float, deadline: float, results: dict,
+    save: Callable[[], None],
+) -> None:  # fmt: skip
+    """``bench/gpu_decode.py`` once per mode (eager, then CUDA graphs), each in its own process
+    (a CUDA error or memory held in one cannot spoil the other or what follows); their JSON
+    goes to ``results["decode"][mode]``, a table row per step."""
+    decode, rows = results.setdefault("decode", {}), results["rows"]
+    for mode, cap_s in (("eager", 150), ("graphs", 210)):
+        # What the server part needs (bench/gpu_serve.py: start-up ~100 s, runs ~60-150 s)
+        left = deadline - time.monotonic() - (0 if args.skip_serve else args.serve_reserve_s)
+        if left < 30:
+            rows.append(row(f"runner {mode}", None, None, None, "skipped: out of time"))
+            continue
+        path = args.out.with_name(f"{args.out.stem}_decode_{mode}.json")
+        path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "bench.gpu_decode", "--mode", mode, "--out", str(path),
+               "--bandwidth-gbps", f"{bandwidth / 1e9:.1f}"] + (["--tiny"] if args.dry_run else [])  # fmt: skip
+        print(f"$ {' '.join(cmd[2:])}", flush=True)
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, timeout=min(cap_s, left)).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        result = json.loads(path.read_text()) if path.exists() else {"rows": [], "errors": []}
+        if rc is None:
+            result["errors"].append(f"not done in {min(cap_s, left):.0f} s: killed")
+        elif rc and not result["errors"]:
+            result["errors"].append(f"exit status {rc}")
+        decode[mode] = result
+        eager = {r["batch"]: r["step_ms"] for r in decode.get("eager", {}).get("rows", [])
+                 if "batch" in r and "step_ms" in r and r.get("sampling") == "greedy"}  # fmt: skip
+        for r in result["rows"]:
+            name = f"runner {mode} {r['case']}"
+            if "step_ms" not in r:
+                rows.append(row(name, None, None, None, r.get("note", "")))
+                continue
+            ref = (
+                eager.get(r.get("batch"))
+                if mode == "graphs" and r.get("sampling") == "greedy"
+                else None
+            )
+            note = f"{r['tok_s']:.0f} tok/s" if "tok_s" in r else f"{r['tflops']:.1f} TFLOP/s"
+            note += f"; p90 {r['p90_ms']:.2f}" + ("; ref: eager" if ref else "")
+            rows.append(row(name, r["step_ms"], ref, r.get("floor_ms"), note))
+        for error in result["errors"]:
+            rows.append(row(f"runner {mode}", None, None, None, f"FAILED: {error}"[:200]))
+        if mode == "graphs" and "eager" in decode:
+            results["decode_agreement"] = agreement(decode["eager"], result)
+        save()
 
-    for name, shape in param_shapes(arch).items():
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=DTYPE, device=DEVICE)
-        else:
-            yield name, torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_(0.0, 0.02)
+
+def agreement(eager: dict, graphs: dict) -> dict:
+    """How many first-step greedy tokens the two modes share (same weights, same prompts:
+    the graphs replay the eager kernels, so all of them unless the attention's split-KV or
+    a fused kernel differs per bucket), and the prefill's token (eager in both)."""
+    same = total = 0
+    for batch, tokens in eager.get("first_tokens", {}).items():
+        other = graphs.get("first_tokens", {}).get(batch)
+        if other is not None:
+            same += sum(a == b for a, b in zip(tokens, other, strict=False))
+            total += len(tokens)
+    return {
+        "decode_tokens_equal": f"{same}/{total}",
+        "prefill_token_equal": eager.get("prefill_first_token") is not None
+        and eager.get("prefill_first_token") == graphs.get("prefill_first_token"),
+    }
 
 
-def bench_model(
-    bandwidth: float, deadline: float, batches: tuple[int, ...], rows: list[dict]
-) -> None:
-    """Appends one row per batch size to ``rows`` (as it goes)."""
-    try:
-        import numpy as np
+# ---------------------------------------------------------------- 6. the server
 
-        from services.config import EngineConfig, ModelArchConfig
-        from services.gpu_worker.model_runner import ModelRunner, build_attention_metadata
-    except ImportError as e:
-        rows.append(row("model decode", None, None, None, f"skipped: no model runner ({e})"))
-        return
 
-    if time.monotonic() > deadline - 60:  # building the model and its cache takes a while
-        rows.append(row("model decode", None, None, None, "skipped: out of time"))
-        return
-    arch = ModelArchConfig.from_hf_config(LLAMA3_8B)
-    config = EngineConfig()
-    config.model.load_format = "dummy"
-    config.model.dtype = "bfloat16"
-    config.scheduler.max_model_len = 4096
-    config.worker.device = DEVICE
-    config.worker.attention_backend = "triton"
-    config.cache.block_size = BLOCK_SIZE
-    config.scheduler.max_num_seqs = max(batches)
-    config.finalize(arch)
-    runner = ModelRunner(config, None, arch=arch, weights=_gpu_dummy_weights(arch))
-    model = runner.model
-    weight_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in model.named_parameters()
-        if arch.tie_word_embeddings or "embed_tokens" not in n  # a lookup reads B rows only
+def bench_serve(args: argparse.Namespace, deadline: float, results: dict,
+                save: Callable[[], None]) -> None:  # fmt: skip
+    """``bench/gpu_serve.py`` (the server and the bench client, child processes) until
+    ``deadline``, with the graphs' step times (else eager's) for what they allow."""
+    from bench import gpu_serve
+    from bench.gpu_decode import has_config_field
+
+    decode = results.get("decode", {})
+    graphs = decode.get("graphs")
+    failed = graphs is not None and (
+        bool(graphs["errors"])
+        or any(r.get("note", "").startswith("FAILED") for r in graphs["rows"])
     )
-    blocks_per_seq = math.ceil(CONTEXT / BLOCK_SIZE)
-    per_block = runner.kv_cache_bytes_per_block()
-    free, _ = torch.cuda.mem_get_info()
-    fits = int((free - 4 * GiB) // per_block)  # 4 GiB: activations, logits, allocator slack
-    num_blocks = min(max(batches) * blocks_per_seq, fits)
-    runner.initialize_kv_cache(num_blocks)
+    use = graphs if graphs and not failed and graphs.get("rows") else decode.get("eager")
+    serve = results["serve"] = {"runs": [], "errors": [],
+                                "step_times_from": use.get("mode") if use else None}  # fmt: skip
+    extra = list(args.serve_args)
+    if failed and has_config_field("enforce_eager") and "--enforce-eager" not in extra:
+        # The server's worker would capture the same graphs: serve eagerly, still measured.
+        extra.append("--enforce-eager")
+        serve["note"] = "part 4's CUDA graphs failed: the server runs with --enforce-eager"
+        print(serve["note"], flush=True)
+    serve_args = gpu_serve.parse_args(["--tiny"] * args.dry_run + ["--serve-args", *extra])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the server's worker measures what is free
+        serve["check_process_gib"] = round(torch.cuda.memory_reserved() / GiB, 2)
+    try:
+        gpu_serve.run(serve_args, serve, save, deadline, use)
+    except Exception as e:  # Terminated and KeyboardInterrupt go on up, the server closed
+        traceback.print_exc()
+        serve["errors"].append(f"{type(e).__name__}: {e}"[:1000])
+    save()
 
-    for batch in batches:
-        name = f"model decode B={batch} ctx={CONTEXT}"
-        need = batch * blocks_per_seq
-        if need > num_blocks:
-            rows.append(row(name, None, None, None,
-                            f"skipped: KV needs {need * per_block / GiB:.0f} GiB, "
-                            f"{num_blocks * per_block / GiB:.0f} GiB fit"))  # fmt: skip
-            continue
-        if time.monotonic() > deadline:
-            rows.append(row(name, None, None, None, "skipped: out of time"))
-            continue
-        table = np.arange(need, dtype=np.int32).reshape(batch, blocks_per_seq)
-        meta, _, positions = build_attention_metadata(
-            np.full(batch, CONTEXT - 1), np.ones(batch, dtype=np.int64), table, BLOCK_SIZE,
-            torch.device(DEVICE),
-        )  # fmt: skip
-        ids = torch.randint(0, arch.vocab_size, (batch,), device=DEVICE)
-        pos = torch.from_numpy(positions).to(DEVICE)
 
-        def step(meta=meta, ids=ids, pos=pos) -> torch.Tensor:
-            with torch.inference_mode():
-                return model.compute_logits(model(ids, pos, meta, runner.kv_caches))
+def goals(results: dict) -> dict:
+    """Issue 31's goals against what ran (None: not measured)."""
+    graphs = {r["batch"]: r for r in results.get("decode", {}).get("graphs", {}).get("rows", [])
+              if "step_ms" in r and r.get("sampling") == "greedy"}  # fmt: skip
+    runs = {r["concurrency"]: r for r in results.get("serve", {}).get("runs", [])
+            if "output_throughput" in r}  # fmt: skip
+    out: dict[str, Any] = {}
+    for batch, limit in ((1, 1.3), (64, 1.3), (256, 1.2)):
+        r = graphs.get(batch)
+        ratio = r["step_ms"] / r["floor_ms"] if r else None
+        out[f"decode B={batch} <= {limit}x floor"] = _goal(ratio, limit)
+    c1, c256 = runs.get(1), runs.get(256)
+    out["TPOT c=1 <= 5.5 ms"] = _goal(c1 and c1.get("median_tpot_ms"), 5.5)
+    out["TTFT c=1 <= 60 ms"] = _goal(c1 and c1.get("median_ttft_ms"), 60.0)
+    frac = c256 and c256.get("allowed", {}).get("achieved_frac")
+    out["c=256 >= 80% of the steps' throughput"] = {
+        "value": frac, "met": None if frac is None else frac >= 0.8,
+    }  # fmt: skip
+    return out
 
-        ms = cuda_time_ms(step, warmup=3, iters=10)
-        kv_bytes = batch * CONTEXT * per_block // BLOCK_SIZE
-        floor = (weight_bytes + kv_bytes) / bandwidth * 1e3
-        rows.append(
-            row(name, ms, None, floor, f"{batch / ms * 1e3:.0f} tok/s; eager, no CUDA graphs")
-        )
+
+def _goal(value: float | None, limit: float) -> dict:
+    return {"value": value, "met": None if value is None else value <= limit}
 
 
 # ---------------------------------------------------------------- report
@@ -360,10 +424,10 @@ def _fmt(x: float | None) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'case':<36} {'ours ms':>9} {'sdpa ms':>9} {'floor ms':>9} {'floor/ours':>10}  note")
+    print(f"\n{'case':<44} {'ours ms':>9} {'ref ms':>9} {'floor ms':>9} {'floor/ours':>10}  note")
     for r in rows:
         eff = f"{r['floor_ms'] / r['ours_ms']:.0%}" if r["ours_ms"] and r["floor_ms"] else "-"
-        print(f"{r['case']:<36} {_fmt(r['ours_ms']):>9} {_fmt(r['ref_ms']):>9} "
+        print(f"{r['case']:<44} {_fmt(r['ours_ms']):>9} {_fmt(r['ref_ms']):>9} "
               f"{_fmt(r['floor_ms']):>9} {eff:>10}  {r['note']}")  # fmt: skip
 
 
@@ -408,55 +472,79 @@ def check_nccl(rows: list[dict]) -> None:
 def run_parts(
     args: argparse.Namespace, deadline: float, results: dict, save: Callable[[], None]
 ) -> bool:
-    """Parts 1-5, on the GPU; fills ``results`` (saving it after each part), False if one
-    failed. An interrupt propagates, with what ran already in ``results``."""
+    """Parts 1-6, on the GPU (``--dry-run``: 4 and 6 on the CPU, tiny); fills ``results``
+    (saving it after each part), False if one failed. An interrupt propagates, with what ran
+    already in ``results``."""
     import triton
 
     rows, errors = results["rows"], results["errors"]
-    props = torch.cuda.get_device_properties(0)
-    results.update(
-        device=props.name,
-        num_sms=props.multi_processor_count,
-        memory_gib=round(props.total_memory / GiB, 1),
-        triton=triton.__version__,
-    )
-    print(f"{props.name}, {results['memory_gib']} GiB, torch {torch.__version__}, "
-          f"triton {triton.__version__}", flush=True)  # fmt: skip
+    results["triton"] = triton.__version__
+    if args.dry_run:
+        results.update(device="cpu (dry run: tiny model; parts 1, 3 and 5 skipped)")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        results.update(device=props.name, num_sms=props.multi_processor_count,
+                       memory_gib=round(props.total_memory / GiB, 1))  # fmt: skip
+    print(f"{results['device']}, {results.get('memory_gib', '-')} GiB, torch "
+          f"{torch.__version__}, triton {triton.__version__}", flush=True)  # fmt: skip
     ok = True
-    if not args.skip_tests:
-        results["tests"] = run_tests(timeout_s=min(300, args.budget_s * 0.6))
+    parts, last = results.setdefault("part_seconds", {}), [time.monotonic()]
+
+    def mark(name: str) -> None:  # how long each part took: the next run's budget
+        parts[name] = round(time.monotonic() - last[0], 1)
+        last[0] = time.monotonic()
+
+    if not (args.skip_tests or args.dry_run):
+        results["tests"] = run_tests(timeout_s=min(180, args.budget_s * 0.35))
         ok = results["tests"]["passed"]
+        mark("tests")
         save()
 
     try:
-        bandwidth = copy_bandwidth()
+        if args.dry_run:
+            from bench.gpu_decode import cpu_bandwidth
+
+            bandwidth = cpu_bandwidth()
+        else:
+            bandwidth = copy_bandwidth()
+            torch.cuda.empty_cache()
     except Exception as e:  # every floor divides by it: nothing more to time
         errors.append(f"copy bandwidth: {type(e).__name__}: {e}")
         traceback.print_exc()
         return False
-    torch.cuda.empty_cache()
     results["copy_bandwidth_gbps"] = round(bandwidth / 1e9, 1)
-    print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
-    bench_attention(bandwidth, deadline, rows)
+    print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
+    if not args.dry_run:
+        bench_attention(bandwidth, deadline, rows)
+        torch.cuda.empty_cache()
+    mark("bandwidth and attention")
     save()
     if args.skip_model:
-        rows.append(row("model decode", None, None, None, "skipped (--skip-model)"))
+        rows.append(row("runner steps", None, None, None, "skipped (--skip-model)"))
     else:
+        bench_decode(args, bandwidth, deadline, results, save)
+        mark("runner steps (2 processes)")
+    if not args.dry_run:
         try:
-            bench_model(bandwidth, deadline, (1, 64, 256), rows)
-        except Exception as e:  # report it in the table, keep the rest
+            check_nccl(rows)
+        except Exception as e:
             traceback.print_exc()
             rows.append(
-                row("model decode", None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200])
+                row("nccl, 1 rank", None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200])
             )
-        torch.cuda.empty_cache()
-    try:
-        check_nccl(rows)
-    except Exception as e:
-        traceback.print_exc()
-        rows.append(row("nccl, 1 rank", None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200]))
+        mark("nccl")
+        save()
+    if not args.skip_serve:
+        bench_serve(args, deadline, results, save)
+        mark("server")
+    results["goals"] = goals(results)
     save()
-    return ok and not any(r["note"].startswith("FAILED") for r in rows)
+    failed = any(r["note"].startswith("FAILED") for r in rows)
+    serve = results.get("serve", {})
+    failed |= bool(serve.get("errors")) or any(
+        r.get("note", "").startswith("FAILED") for r in serve.get("runs", [])
+    )
+    return ok and not failed
 
 
 def report(results: dict) -> None:
@@ -467,19 +555,70 @@ def report(results: dict) -> None:
         print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s; floor = bytes / bandwidth")
     if results["rows"]:
         print_table(results["rows"])
+    if results.get("part_seconds"):
+        print("seconds: " + ", ".join(f"{k} {v}" for k, v in results["part_seconds"].items()))
+    for mode, d in results.get("decode", {}).items():
+        print(f"runner {mode}: built in {d.get('build_s')} s, capture {d.get('capture')}, "
+              f"KV {d.get('kv_cache_gib')} GiB")  # fmt: skip
+    if "decode_agreement" in results:
+        print(f"eager vs graphs, greedy tokens: {results['decode_agreement']}")
+    if "serve" in results:
+        print_serve(results["serve"])
+    if results.get("goals"):
+        dry = "dry run" in results.get("device", "")
+        print("\nissue 31's goals" + (" (dry run: a tiny model on a CPU, not the goals')" * dry))
+    for name, g in results.get("goals", {}).items():
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]
+        value = "-" if g["value"] is None else f"{g['value']:.3g}"
+        print(f"goal {name}: {value} ({verdict})")
     for error in results["errors"]:
         print(f"ERROR: {error}")
+
+
+def print_serve(serve: dict) -> None:
+    print(f"\nserver: ready in {serve.get('startup_s', '-')} s; step times from the runner's "
+          f"{serve.get('step_times_from')} run")  # fmt: skip
+    print(f"{'c':>4} {'n':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+          f"{'TPOT p99':>9} {'wkr idle':>8} {'step':>7} {'gap':>6} {'allowed':>8} {'got':>5}")  # fmt: skip
+    for r in serve.get("runs", []):
+        if "output_throughput" not in r:
+            print(f"{r['concurrency']:>4} {r['prompts']:>4}  {r.get('note', '')}")
+            continue
+        t, al = r.get("timeline", {}), r.get("allowed", {})
+
+        def f(x: float | None, spec: str = ".1f") -> str:
+            return "-" if x is None else format(x, spec)
+
+        print(f"{r['concurrency']:>4} {r['prompts']:>4} {f(r['output_throughput'], '.0f'):>10} "
+              f"{f(r.get('median_ttft_ms')):>9} {f(r.get('p99_ttft_ms')):>9} "
+              f"{f(r.get('median_tpot_ms'), '.2f'):>9} {f(r.get('p99_tpot_ms'), '.2f'):>9} "
+              f"{f(t.get('worker_idle_share'), '.0%'):>8} {f(t.get('decode_step_ms'), '.2f'):>7} "
+              f"{f(t.get('decode_gap_ms'), '.2f'):>6} "
+              f"{f(al.get('with_prefill_tok_s', al.get('decode_tok_s')), '.0f'):>8} "
+              f"{f(al.get('achieved_frac'), '.0%'):>5}")  # fmt: skip
+    for e in serve.get("errors", []):
+        print(f"server ERROR: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON results")
-    parser.add_argument("--budget-s", type=float, default=470, help="stop starting work after")
+    parser.add_argument("--budget-s", type=float, default=480, help="stop starting work after")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--skip-model", action="store_true", help="no runner steps (part 4)")
+    parser.add_argument("--skip-serve", action="store_true", help="no server (part 6)")
+    parser.add_argument("--serve-reserve-s", type=float, default=200,
+                        help="time part 4 leaves for part 6 (the server)")  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on the CPU with a tiny model: parts 4 and 6 (imports, plans, "
+                             "server, client, JSON); no GPU needed")  # fmt: skip
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                        help="more flags for actorserve serve (last)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.dry_run:
+        args.serve_reserve_s = min(args.serve_reserve_s, 90)
     # Before the imports: on a host without CUDA, importing kernels sets it.
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and not args.dry_run:
         print("unset TRITON_INTERPRET: gpu-check times compiled kernels", file=sys.stderr)
         return 2
     start = time.monotonic()
@@ -505,8 +644,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MISSING: {module}: {error}", file=sys.stderr)
         results["errors"].append(f"import {module}: {error}")
     print(f"imports: {len(imports) - len(missing)} of {len(imports)} modules import", flush=True)
+    results["import_seconds"] = round(time.monotonic() - start, 1)
     save()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.dry_run:
         print("gpu-check needs an NVIDIA GPU: torch sees no CUDA device", file=sys.stderr)
         return 2
     if "triton" in missing:

@@ -46,8 +46,7 @@ def build(arch_json: dict[str, Any], device: str, max_batch: int) -> tuple[Any, 
     config.cache.block_size = gc.BLOCK_SIZE
     config.scheduler.max_num_seqs = max_batch
     config.finalize(arch)
-    weights = gc._gpu_dummy_weights(arch) if device == "cuda" else None
-    runner = ModelRunner(config, None, arch=arch, weights=weights)
+    runner = ModelRunner(config, None, arch=arch)  # dummy weights, drawn on the device
     runner.initialize_kv_cache(max_batch * math.ceil(gc.CONTEXT / gc.BLOCK_SIZE))
     return runner, arch
 

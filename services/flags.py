@@ -96,6 +96,17 @@ def coerce(f: dataclasses.Field[Any], value: Any) -> Any:
             value = parse(value)
         except (ValueError, argparse.ArgumentTypeError):
             raise ConfigError(f"{f.name} must be {base}, got {value!r}") from None
+    if base == "list[int]":
+        if isinstance(value, str):  # "1 2 4" or "1,2,4", as the CLI would take them
+            try:
+                value = [int(v) for v in value.replace(",", " ").split()]
+            except ValueError:
+                raise ConfigError(f"{f.name} must be a list of int, got {value!r}") from None
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ConfigError(f"{f.name} must be a list of int, got {value!r}")
+        return list(value)
     numeric = isinstance(value, int | float) and not isinstance(value, bool)
     ok = {
         "int": numeric and isinstance(value, int),

@@ -485,3 +485,149 @@ def test_payloads_and_endpoint_checks(fake_server: str) -> None:
 
     out = asyncio.run(failing())
     assert not out.success and out.error.startswith("HTTP 400") and "unlucky" in out.error
+
+
+# --- the GPU check's dry run (bench/gpu_check.py --dry-run: its parts on the CPU) ---------
+
+
+def test_gpu_decode_tiny_dry_run(tmp_path: Path) -> None:
+    """bench/gpu_decode.py, tiny, in both modes (on a CPU capture_cuda_graphs is a no-op):
+    the synthetic plans drive ModelRunner.execute through decode (new blocks as requests
+    cross block boundaries), the sampled row and a prefill; every row timed, floors set, and
+    both modes sample the same first tokens (same weights, same prompts)."""
+    from bench import gpu_check, gpu_decode
+
+    results = {}
+    for mode in ("eager", "graphs"):
+        out = tmp_path / f"{mode}.json"
+        argv = ["--mode", mode, "--tiny", "--device", "cpu", "--out", str(out), "--steps", "4",
+                "--warmup", "1", "--context", "40", "--bandwidth-gbps", "10"]  # fmt: skip
+        assert gpu_decode.main(argv) == 0
+        r = results[mode] = json.loads(out.read_text())
+        assert not r["errors"] and r["capture"]["called"] and r["enforce_eager_field"]
+        decode = [row for row in r["rows"] if row["case"].startswith("decode")]
+        assert [row["batch"] for row in decode] == [1, 4, 8, 4]  # the last one sampled
+        assert decode[-1]["sampling"] == gpu_decode.SAMPLED
+        for row in decode:
+            assert row["step_ms"] > 0 and row["steps"] == 4 and row["floor_ms"] > 0
+            # 40 tokens, 1 + 1 warm-up steps, then 4 timed: contexts 42..45 (a block
+            # boundary at 48 is not crossed; 16-token blocks: the third block since 33)
+            assert row["mean_context"] == pytest.approx(43.5)
+        assert {k: len(v) for k, v in r["first_tokens"].items()} == {"1": 1, "4": 4, "8": 8}
+        prefill = r["rows"][-1]
+        assert prefill["case"] == "prefill 32 tokens" and prefill["step_ms"] > 0
+    agree = gpu_check.agreement(results["eager"], results["graphs"])
+    assert agree == {"decode_tokens_equal": "13/13", "prefill_token_equal": True}
+
+
+def test_gpu_decode_plans_add_blocks_at_boundaries() -> None:
+    from bench.gpu_decode import Plans
+    from services.protocol import SamplingParams
+
+    plans = Plans("t", 2, 31, 1024, 4, SamplingParams(), np.random.default_rng(0))
+    assert [len(n.block_ids) for n in plans.new] == [2, 2] and plans.new[1].block_ids == [4, 5]
+    assert plans.new[0].num_computed_tokens == 30 and len(plans.new[0].token_ids) == 31
+    first = plans.next(1)  # computes position 31: still in block 1
+    assert [d.new_block_ids for d in first.running] == [[], []]
+    second = plans.next(2)  # position 32: the third block
+    assert [d.new_block_ids for d in second.running] == [[2], [6]]
+    assert [d.num_computed_tokens for d in second.running] == [32, 32]
+    assert second.num_scheduled_tokens == [1, 1]
+
+
+def test_gpu_serve_model_folder_and_prompts(tmp_path: Path) -> None:
+    """The synthetic tokenizer decodes every id of the vocabulary (what random weights
+    sample), Llama-3's specials on top; the prompts are random_dataset's, as ids."""
+    from bench.gpu_decode import TINY
+    from bench.gpu_serve import write_model_folder, write_prompts
+    from services.model_loader import load_tokenizer, prepare_model
+
+    folder = tmp_path / "model"
+    write_model_folder(folder, TINY)
+    assert prepare_model(str(folder), "dummy") == folder
+    tok = load_tokenizer(folder)
+    assert tok.tokenizer.get_vocab_size() == 1024
+    assert (tok.bos_token_id, tok.eos_token_id) == (768, 769) and 777 in tok.all_special_ids
+    words = list(range(768))
+    assert tok.encode(tok.decode(words), add_special_tokens=False) == words
+    assert tok.decode([1023], skip_special_tokens=False) == "<|reserved_special_token_255|>"
+    write_prompts(folder, tmp_path / "p.jsonl", 3, 20, 5, seed=1)
+    lines = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [len(x["prompt"]) for x in lines] == [20] * 3 and lines[0]["output_len"] == 5
+    assert all(0 <= t < 768 for x in lines for t in x["prompt"])
+
+
+def test_gpu_serve_timeline_and_what_steps_allow() -> None:
+    from bench.gpu_check import goals
+    from bench.gpu_serve import allowed, timeline
+
+    # Three decode steps of 4 tokens (10 ms, then 2 ms gaps), one with a prompt chunk (30 ms).
+    events, t = [], 0.0
+    for tokens, dur in ((4, 10), (4, 10), (1028, 30), (4, 10)):
+        events.append({"ts": t * 1e3, "dur": dur * 1e3, "args": {"tokens": tokens}})
+        t += dur + 2
+    tl = timeline(events, 4)
+    assert tl["steps"] == 4 and tl["span_s"] == pytest.approx(0.066)
+    assert tl["worker_idle_share"] == pytest.approx(6 / 66)
+    assert tl["decode_steps"] == 2 and tl["decode_step_ms"] == 10 and tl["decode_gap_ms"] == 2
+    assert tl["engine_share"] == pytest.approx(2 / 12) and tl["mixed_step_ms"] == 30
+    assert tl["full_batch_steps"] == 3 and timeline(events[:1], 4) == {"steps": 1}
+    # 8 requests at concurrency 4, 1,024 in / 256 out: 2 x 256 steps of 10 ms + 8 prefills
+    a = allowed(10.0, 50.0, 4, 8, 1024, 256)
+    assert a["decode_tok_s"] == pytest.approx(400)
+    assert a["with_prefill_tok_s"] == pytest.approx(8 * 256 / (2 * 256 * 10 + 8 * 50) * 1e3)
+    assert allowed(None, 50.0, 4, 8, 1024, 256) == {}
+    results = {
+        "decode": {"graphs": {"rows": [{"batch": 1, "step_ms": 4.0, "floor_ms": 3.5,
+                                        "sampling": "greedy"}]}},
+        "serve": {"runs": [{"concurrency": 1, "output_throughput": 200.0,
+                            "median_tpot_ms": 5.0, "median_ttft_ms": 70.0}]},
+    }  # fmt: skip
+    g = goals(results)
+    assert g["decode B=1 <= 1.3x floor"] == {"value": pytest.approx(4 / 3.5), "met": True}
+    assert g["decode B=64 <= 1.3x floor"]["met"] is None
+    assert g["TPOT c=1 <= 5.5 ms"]["met"] and not g["TTFT c=1 <= 60 ms"]["met"]
+
+
+def test_gpu_wheels_are_the_installed_versions() -> None:
+    """The wheels the GPU machine gets (bench/gpu_check_device.sh) are what this venv runs."""
+    import importlib.metadata
+    import re
+
+    script = (Path(__file__).parent.parent / "bench" / "gpu_check_device.sh").read_text()
+    wheels = re.search(r"^WHEELS=\(([^)]*)\)", script, re.M)
+    assert wheels is not None
+    pins = dict(spec.split("==") for spec in wheels.group(1).split())
+    assert {"msgspec", "pyzmq", "fastapi", "uvicorn", "pydantic-core"} <= set(pins)
+    stale = {n: (v, importlib.metadata.version(n)) for n, v in pins.items()
+             if importlib.metadata.version(n) != v}  # fmt: skip
+    assert not stale, f"update WHEELS in bench/gpu_check_device.sh, then make gpu-wheels: {stale}"
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path: Path) -> None:
+    """``bash bench/gpu_check_device.sh dry-run`` (~1-2 minutes): bench.gpu_check --dry-run
+    in an interpreter that sees only the GPU machine's packages and the carried wheels: the
+    runner's steps in both modes, the server on the tiny model with its synthetic tokenizer,
+    the bench client at three concurrencies, the JSON."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).parent.parent
+    if not (repo / ".venv" / "bin" / "python").exists():
+        pytest.skip("the dry run builds on .venv (make install)")
+    env = {**os.environ, "OUT": str(tmp_path)}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(["bash", "bench/gpu_check_device.sh", "dry-run"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not r["errors"] and all(v == "ok" for v in r["imports"].values())
+    assert set(r["decode"]) == {"eager", "graphs"} and not r["decode"]["graphs"]["errors"]
+    runs = r["serve"]["runs"]
+    assert [x["concurrency"] for x in runs] == [1, 8, 4] and not r["serve"]["errors"]
+    for x in runs:
+        assert x["completed"] == x["prompts"] and x["failed"] == 0 and x["output_throughput"] > 0
+        assert x["timeline"]["decode_steps"] > 0 and "worker" in x["cpu_share"]
+        assert x["allowed"]["achieved_frac"] > 0
+    assert (tmp_path / "gpu_check.log").read_text().count("Serving Benchmark Result") == 4

@@ -245,6 +245,29 @@ class WorkerConfig:
         default=None,
         metadata=flag("torch threads per worker rank on CPU (default: cores / ranks)"),
     )
+    # CUDA graphs (vLLM's flags): decode-only steps replay a graph captured at start-up for
+    # the smallest size that holds the batch (services/gpu_worker/cuda_graphs.py).
+    enforce_eager: bool = field(
+        default=False,
+        metadata=flag("run every step eagerly: no CUDA graphs (a CPU always runs eagerly)"),
+    )
+    cuda_graph_sizes: list[int] | None = field(
+        default=None,
+        metadata=flag(
+            "batch sizes to capture: one value N means 1, 2, 4, then steps of 8 up to N; "
+            "several are the sizes themselves (default: up to 512 or --max-num-seqs)",
+            nargs="+",
+            type=int,
+            metavar="N",
+        ),
+    )
+    max_cudagraph_capture_size: int | None = field(
+        default=None,
+        metadata=flag(
+            "largest batch captured in a CUDA graph; larger decode batches run eagerly "
+            "(default: the largest of --cuda-graph-sizes, else min(512, --max-num-seqs))"
+        ),
+    )
     # --worker-backend sim (services/gpu_worker/sim/): the modelled device and model
     sim_hardware: str = field(
         default="h200",
@@ -355,6 +378,17 @@ class EngineConfig:
             raise ConfigError("--long-prefill-token-threshold must be non-negative")
         if s.max_model_len is not None and s.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {s.max_model_len}")
+        if w.cuda_graph_sizes is not None and (
+            not w.cuda_graph_sizes or min(w.cuda_graph_sizes) < 1
+        ):
+            raise ConfigError(
+                f"--cuda-graph-sizes must be positive batch sizes, got {w.cuda_graph_sizes}"
+            )
+        if w.max_cudagraph_capture_size is not None and w.max_cudagraph_capture_size < 1:
+            raise ConfigError(
+                "--max-cudagraph-capture-size must be at least 1, got "
+                f"{w.max_cudagraph_capture_size}"
+            )
         if w.num_threads is not None and w.num_threads < 1:
             raise ConfigError(f"--num-threads must be at least 1, got {w.num_threads}")
         if w.worker_backend != "sim" and (w.sim_model is not None or w.sim_eos is not None):

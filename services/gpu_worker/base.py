@@ -21,7 +21,8 @@ class WorkerBackend(ABC):
 
     Lifecycle: construct (load weights) -> ``determine_num_blocks()`` (what fits this
     rank's memory budget; the engine takes the minimum over ranks) ->
-    ``initialize_kv_cache(num_blocks)`` -> ``execute(plan)`` per step, in step order.
+    ``initialize_kv_cache(num_blocks)`` -> ``capture_cuda_graphs()`` -> ``execute(plan)``
+    per step, in step order.
     Every rank executes every plan (collectives pair up across ranks); every rank
     returns the same sampled tokens, and the engine reads the output rank's result.
     """
@@ -41,6 +42,11 @@ class WorkerBackend(ABC):
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def capture_cuda_graphs(self) -> None:
+        """Record what later steps replay (the model runner's decode graphs, on CUDA), once
+        the KV cache exists; nothing where the backend has nothing to record."""
+        return None
 
     def kv_cache_bytes_per_block(self) -> int:
         """This rank's bytes per KV block (its shard of every layer it holds); 0 where

@@ -3,6 +3,11 @@
 A ``NewRequest`` is added once and gets a row in host-side numpy arrays; later
 steps only append block ids and sampled tokens. Step inputs are gathered from the
 arrays with vectorised indexing, never per token in Python.
+
+Sampling parameters live in per-row arrays too (filled once in ``add``). Each step the
+sampling rows' values are gathered into one host staging buffer (pinned on CUDA) and sent
+to the device in one non-blocking copy: the common path (greedy, temperature, top-k/top-p,
+min-p, seeds) makes no device allocation and no synchronising host->device copy.
 """
 
 from __future__ import annotations
@@ -53,6 +58,21 @@ class InputBatch:
         )
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # Per-row sampling parameters, written in add(); a recycled row is overwritten whole.
+        self.temperature_cpu = np.ones(max_num_reqs, dtype=np.float32)  # 1.0 on greedy rows
+        self.greedy_cpu = np.zeros(max_num_reqs, dtype=np.bool_)
+        self.top_k_cpu = np.zeros(max_num_reqs, dtype=np.int64)  # <= 0: disabled
+        self.top_p_cpu = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seeded_cpu = np.zeros(max_num_reqs, dtype=np.bool_)  # has its own generator
+        # The rare paths, so that a step whose rows use none of them skips them without
+        # looking at each request's parameters.
+        self.penalized_cpu = np.zeros(max_num_reqs, dtype=np.bool_)
+        self.min_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        self.bad_words_cpu = np.zeros(max_num_reqs, dtype=np.bool_)
+        self.token_limits_cpu = np.zeros(max_num_reqs, dtype=np.bool_)  # logit_bias / allowed
+        self.logprobs_cpu = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none asked
+        self._staging = _SamplingStaging(max_num_reqs, device)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -82,6 +102,7 @@ class InputBatch:
         )
         if new.sampling.seed is not None and not new.sampling.greedy:
             state.generator = torch.Generator(self.device).manual_seed(new.sampling.seed)
+        self._set_sampling_row(row, new.sampling, state.generator is not None)
         self.requests[new.req_id] = state
         self._append_blocks(state, new.block_ids)
 
@@ -126,36 +147,82 @@ class InputBatch:
         old = self.token_ids.shape[0]
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        for name in _SAMPLING_ROW_ARRAYS:  # a new row's values are all set by add()
+            arr = getattr(self, name)
+            setattr(self, name, np.concatenate([arr, np.zeros_like(arr)]))
+        self._staging = _SamplingStaging(2 * old, self.device)
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    def _set_sampling_row(self, row: int, p: SamplingParams, seeded: bool) -> None:
+        greedy = p.greedy
+        self.temperature_cpu[row] = 1.0 if greedy else p.temperature
+        self.greedy_cpu[row] = greedy
+        self.top_k_cpu[row] = p.top_k
+        self.top_p_cpu[row] = p.top_p
+        self.min_p_cpu[row] = p.min_p
+        self.seeded_cpu[row] = seeded
+        self.penalized_cpu[row] = (
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        )
+        self.min_tokens_cpu[row] = p.min_tokens
+        self.bad_words_cpu[row] = bool(p.bad_words_token_ids)
+        self.token_limits_cpu[row] = bool(p.logit_bias) or p.allowed_token_ids is not None
+        self.logprobs_cpu[row] = -1 if p.logprobs is None else p.logprobs
 
     # ------------------------------------------------------------------ sampling
 
     def sampling_metadata(
-        self, states: list[CachedRequestState], vocab_size: int
+        self,
+        states: list[CachedRequestState],
+        vocab_size: int,
+        rows: np.ndarray | None = None,
     ) -> SamplingMetadata:
-        """Sampling parameters of ``states`` (the rows that sample this step), on device."""
-        params = [s.sampling for s in states]
-        dev = self.device
-        greedy = [p.greedy for p in params]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        """Sampling parameters of ``states`` (the rows that sample this step), on device.
+
+        ``rows`` are the states' rows if the caller has them. The common parameters come
+        from the per-row arrays through the staging buffer: ``temperature``, ``greedy``,
+        ``top_k``, ``top_p`` and ``min_p`` are views of one preallocated device buffer
+        that the next call overwrites (after, in stream order, this step's sampler has
+        read it). The flags (``all_greedy``, whether any row sets top-k ...) are computed
+        on the host."""
+        n = len(states)
+        if rows is None:
+            rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
+        stage = self._staging
+        stage.wait_for_last_copy()
+        temperature, greedy, top_k, top_p, min_p = stage.host_views(n)
+        np.take(self.temperature_cpu, rows, out=temperature)
+        np.take(self.greedy_cpu, rows, out=greedy)
+        np.take(self.top_k_cpu, rows, out=top_k)
+        top_k[top_k <= 0] = vocab_size
+        np.take(self.top_p_cpu, rows, out=top_p)
+        np.take(self.min_p_cpu, rows, out=min_p)
+        dev = stage.copy_to_device()
+        seeded = np.flatnonzero(self.seeded_cpu[rows])
         md = SamplingMetadata(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=dev),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            all_greedy=all(greedy),
-            top_k=_tensor_if(any(k < vocab_size for k in top_k), top_k, torch.int64, dev),
-            top_p=_tensor_if(
-                any(p.top_p < 1.0 for p in params), [p.top_p for p in params], torch.float32, dev
-            ),
-            min_p=_tensor_if(
-                any(p.min_p > 0.0 for p in params), [p.min_p for p in params], torch.float32, dev
-            ),
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            temperature=dev.temperature[:n],
+            greedy=dev.greedy[:n],
+            all_greedy=bool(greedy.all()),
+            top_k=dev.top_k[:n] if (top_k < vocab_size).any() else None,
+            top_p=dev.top_p[:n] if (top_p < 1.0).any() else None,
+            min_p=dev.min_p[:n] if (min_p > 0.0).any() else None,
+            generators={int(i): _generator(states[i]) for i in seeded},
         )
-        if any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-            for p in params
-        ):
+        self._rare_sampling(md, states, rows, vocab_size)
+        return md
+
+    def _rare_sampling(
+        self,
+        md: SamplingMetadata,
+        states: list[CachedRequestState],
+        rows: np.ndarray,
+        vocab_size: int,
+    ) -> None:
+        """Penalties, bad words, min_tokens, logit_bias, allowed_token_ids and logprobs:
+        tensors built per step, for the rows that use them (the per-row flags say which)."""
+        dev = self.device
+        if self.penalized_cpu[rows].any():
+            params = [s.sampling for s in states]
             prompt_ids, output_ids = self._penalty_tokens(states, vocab_size)
             md.penalties = Penalties(
                 presence=torch.tensor([p.presence_penalty for p in params], device=dev),
@@ -164,21 +231,28 @@ class InputBatch:
                 prompt_token_ids=prompt_ids,
                 output_token_ids=output_ids,
             )
-        rows, toks = self._bad_words(states, vocab_size)
-        for i, s in enumerate(states):
+        mask_rows: list[int] = []
+        mask_toks: list[int] = []
+        if self.bad_words_cpu[rows].any():
+            mask_rows, mask_toks = self._bad_words(states, vocab_size)
+        for i in np.flatnonzero(self.min_tokens_cpu[rows] > 0).tolist():
+            s = states[i]
             if s.num_tokens - s.num_prompt_tokens < s.sampling.min_tokens:
                 stop = list(s.sampling.stop_token_ids)
                 if s.eos_token_id is not None and not s.sampling.ignore_eos:
                     stop.append(s.eos_token_id)
                 stop = [t for t in stop if 0 <= t < vocab_size]  # others can't be sampled
-                rows += [i] * len(stop)
-                toks += stop
-        if rows:
-            md.min_tokens_mask = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(wanted) if wanted else None
-        self._token_limits(md, states, vocab_size)
-        return md
+                mask_rows += [i] * len(stop)
+                mask_toks += stop
+        if mask_rows:
+            md.min_tokens_mask = (
+                torch.tensor(mask_rows, device=dev),
+                torch.tensor(mask_toks, device=dev),
+            )
+        wanted = self.logprobs_cpu[rows]
+        md.max_num_logprobs = int(wanted.max()) if (wanted >= 0).any() else None
+        if self.token_limits_cpu[rows].any():
+            self._token_limits(md, states, vocab_size)
 
     def _bad_words(
         self, states: list[CachedRequestState], vocab_size: int
@@ -255,7 +329,94 @@ class InputBatch:
         return padded(np.zeros_like(n_prompt), n_prompt), padded(n_prompt, n_out)
 
 
-def _tensor_if(
-    cond: bool, values: list, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor | None:
-    return torch.tensor(values, dtype=dtype, device=device) if cond else None
+# The per-row sampling arrays of InputBatch, grown together with its rows.
+_SAMPLING_ROW_ARRAYS = (
+    "temperature_cpu",
+    "greedy_cpu",
+    "top_k_cpu",
+    "top_p_cpu",
+    "min_p_cpu",
+    "seeded_cpu",
+    "penalized_cpu",
+    "min_tokens_cpu",
+    "bad_words_cpu",
+    "token_limits_cpu",
+    "logprobs_cpu",
+)
+
+
+def _generator(state: CachedRequestState) -> torch.Generator:
+    assert state.generator is not None
+    return state.generator
+
+
+@dataclass
+class _SamplingViews:
+    """Typed views [capacity] of one staging or device buffer."""
+
+    temperature: torch.Tensor  # float32
+    greedy: torch.Tensor  # bool
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+
+
+class _SamplingStaging:
+    """One host buffer (pinned on CUDA) and one device buffer of the same bytes, for the
+    common sampling parameters of up to ``capacity`` rows. Each parameter is a typed view
+    of its own aligned section, so one copy moves them all."""
+
+    # (name, dtype) in buffer order: the widest first keeps every section aligned.
+    _SECTIONS = (
+        ("top_k", torch.int64),
+        ("temperature", torch.float32),
+        ("top_p", torch.float32),
+        ("min_p", torch.float32),
+        ("greedy", torch.bool),
+    )
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        nbytes = capacity * sum(dt.itemsize for _, dt in self._SECTIONS)
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self.host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.host = self._views(self.host_buf)
+        self.device = self._views(self.device_buf)
+        self._host_np = {name: getattr(self.host, name).numpy() for name, _ in self._SECTIONS}
+        # Recorded after each copy on CUDA: the host buffer is not rewritten before it is done.
+        self._copied: torch.cuda.Event | None = None
+        self._device = device
+
+    def _views(self, buf: torch.Tensor) -> _SamplingViews:
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, dtype in self._SECTIONS:
+            size = self.capacity * dtype.itemsize
+            views[name] = buf[offset : offset + size].view(dtype)
+            offset += size
+        return _SamplingViews(**views)
+
+    def host_views(
+        self, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """numpy views of the first ``n`` rows of the host buffer, to fill in place:
+        temperature, greedy, top_k, top_p, min_p."""
+        if n > self.capacity:
+            raise ValueError(f"{n} sampling rows, more than the {self.capacity} staged")
+        h = self._host_np
+        return h["temperature"][:n], h["greedy"][:n], h["top_k"][:n], h["top_p"][:n], h["min_p"][:n]
+
+    def wait_for_last_copy(self) -> None:
+        """Block only if the previous step's copy is still reading the host buffer (it is
+        done in the usual flow: the step's sampled ids came back since)."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()
+
+    def copy_to_device(self) -> _SamplingViews:
+        self.device_buf.copy_(self.host_buf, non_blocking=True)
+        if self._device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self._device))
+        return self.device

@@ -3,7 +3,12 @@ finishing request, over a paged KV cache it owns.
 
 Lifecycle: ``ModelRunner(config, folder)`` loads the weights;
 ``determine_num_blocks()`` sizes the KV cache from the memory budget;
-``initialize_kv_cache(num_blocks)`` allocates it; then ``execute(plan)`` per step.
+``initialize_kv_cache(num_blocks)`` allocates it; ``capture_cuda_graphs()`` records the
+decode graphs (on CUDA); then ``execute(plan)`` per step.
+
+A step's inputs are written into buffers allocated once (``step_inputs.py``); a decode-only
+step replays the CUDA graph of its padded batch size (``cuda_graphs.py``), any other runs
+the model eagerly over the same buffers.
 """
 
 from __future__ import annotations
@@ -16,22 +21,21 @@ import numpy as np
 import torch
 
 from services.config import DTYPES, EngineConfig, ModelArchConfig
+from services.gpu_worker import step_outputs
 from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attention_backend
 from services.gpu_worker.base import WorkerBackend
+from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_all, capture_sizes
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState, StageLink
-from services.gpu_worker.input_batch import CachedRequestState, InputBatch
+from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.model.llama import CheckpointTensor, LlamaForCausalLM
-from services.gpu_worker.sampler import Sampler, SamplerOutput, gather_logprobs
+from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.step_inputs import StepBuffers
 from services.logging_utils import init_logger
 from services.model_loader import ModelLoadError, dummy_weights, iter_weights, load_hf_config
 from services.model_loader.gguf_convert import gguf_source, iter_gguf_weights
-from services.protocol import KVLayout, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
-from services.structured_output.bitmask import apply_token_bitmask, bitmask_rows
+from services.protocol import KVLayout, StepPlan, StepResult
 
 logger = init_logger(__name__)
-
-# Prompt logprobs score this many positions at a time: [rows, vocab] fp32 logits stay small.
-_PROMPT_LOGPROBS_ROWS = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -109,7 +113,7 @@ class ModelRunner(WorkerBackend):
             arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
         if weights is None:
             if config.model.load_format == "dummy":
-                weights = dummy_weights(arch, self.dtype, config.model.seed)
+                weights = dummy_weights(arch, self.dtype, config.model.seed, self.device)
             elif folder is None:
                 raise ValueError("ModelRunner needs a model folder or weights")
             else:
@@ -164,6 +168,14 @@ class ModelRunner(WorkerBackend):
         )
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model.seed))
         self.kv_caches: list[KVCache] = []
+        sched = config.scheduler
+        self.buffers = StepBuffers(
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens or max(self.max_model_len, sched.max_num_seqs),
+            self.input_batch.block_table.shape[1],
+            self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
 
     def _checkpoint(
         self, folder: Path, quantization: str
@@ -266,6 +278,69 @@ class ModelRunner(WorkerBackend):
             self.kv_caches.append((kv[0], kv[1]))
         self.num_blocks = num_blocks
 
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def capture_cuda_graphs(self, *, record: bool = True) -> None:
+        """Capture the decode graphs (after ``initialize_kv_cache``), when this runner can:
+        on CUDA, without ``--enforce-eager``, on an attention backend that supports them,
+        with one rank (the collectives of TP and the stage links of PP are not captured
+        here). ``record=False`` pads decode steps to the same sizes but runs them eagerly,
+        on any device: the padding and bucketing without a GPU (tests), or eager against
+        graphs on one."""
+        w = self.config.worker
+        why_not = None
+        if not self.attn_backend.supports_cuda_graphs:
+            why_not = f"the {self.attn_backend.name} attention backend does not support them"
+        elif not record:
+            pass
+        elif self.device.type != "cuda":
+            return  # a CPU runs eagerly; nothing to say
+        elif w.enforce_eager:
+            why_not = "--enforce-eager"
+        elif self.parallel.tp_size > 1 or self.parallel.pp_size > 1:
+            why_not = "tensor or pipeline parallelism (graphs are captured for one rank)"
+        if why_not is not None:
+            logger.info("no CUDA graphs: %s; decode steps run eagerly", why_not)
+            return
+        sizes = capture_sizes(
+            w.cuda_graph_sizes, w.max_cudagraph_capture_size, self.config.scheduler.max_num_seqs
+        )
+        if not sizes:
+            return
+        self.graphs = DecodeGraphs(sizes, capture=record, generation=self.buffers.generation)
+        with torch.inference_mode():
+            capture_all(self.graphs, self._capture_one, self.device)
+
+    def _capture_one(self, size: int) -> None:
+        assert self.graphs is not None
+        inputs = self.buffers.prepare(
+            np.arange(size),
+            np.zeros(size, dtype=np.int64),
+            np.ones(size, dtype=np.int64),
+            np.zeros((size, 1), dtype=np.int32),
+            self.block_size,
+            pad_to=size,
+            max_seq_len=self.max_model_len,
+        )
+        # The warm-up runs execute: the dummy tokens write no K/V (slot -1).
+        inputs.attn_meta.slot_mapping.fill_(-1)
+        self.model.model.attn_builder.build(inputs.attn_meta, self.kv_caches[0], graph_size=size)
+        self.graphs.capture(
+            size,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.attn_meta,
+            lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_caches),  # type: ignore[arg-type,return-value]
+        )
+
+    def _graph_size(self, scheduled: np.ndarray) -> int | None:
+        """The captured size a step pads to: a decode-only step (one token a request) that
+        fits one, while the buffers the graphs read are still the ones in use."""
+        g = self.graphs
+        if g is None or g.generation != self.buffers.generation or scheduled.max() != 1:
+            return None
+        return g.padded_size(len(scheduled))
+
     def kv_caches_for_transfer(self) -> tuple[list[KVCache], KVLayout]:
         layout = KVLayout(
             num_layers=len(self.kv_caches),
@@ -302,83 +377,63 @@ class ModelRunner(WorkerBackend):
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
         if (scheduled < 1).any() or (computed + scheduled > known).any():
             raise ValueError(f"step {plan.step_id}: scheduled tokens past a request's known tokens")
-        attn_meta, token_req, positions = build_attention_metadata(
-            computed, scheduled, batch.block_table[rows], self.block_size, self.device
+        sampling = np.flatnonzero(computed + scheduled == known)
+        graph_size = self._graph_size(scheduled)
+        inputs = self.buffers.prepare(
+            rows,
+            computed,
+            scheduled,
+            batch.block_table,
+            self.block_size,
+            token_ids=batch.token_ids,
+            sampling=sampling,
+            pad_to=graph_size,
+            max_seq_len=None if graph_size is None else self.max_model_len,
         )
-        input_ids = torch.from_numpy(batch.token_ids[rows[token_req], positions]).to(self.device)
-
         for s, n in zip(states, scheduled, strict=True):
             s.num_computed_tokens += int(n)
-        sampling = np.flatnonzero(computed + scheduled == known)
         sample_states = [states[i] for i in sampling]
-        last_token = np.cumsum(scheduled)[sampling] - 1
         with torch.inference_mode():
             p = self.parallel
-            out = self.model(
-                input_ids.long(),
-                torch.from_numpy(positions).to(self.device),
-                attn_meta,
-                self.kv_caches,
-                None if p.is_first_stage else self.link.recv(len(positions)),
-            )
+            out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+            if graph_size is not None:
+                assert self.graphs is not None
+                out = self.graphs.replay(graph_size)[: inputs.num_tokens]
+            else:
+                out = self.model(
+                    inputs.input_ids,
+                    inputs.positions,
+                    inputs.attn_meta,
+                    self.kv_caches,
+                    None if p.is_first_stage else self.link.recv(inputs.num_tokens),
+                )
             if isinstance(out, tuple):  # a stage before the last
                 self.link.send(*out)
                 return StepResult(step_id=plan.step_id)
             hidden = out
-            prompt_logprobs = self._prompt_logprobs(hidden, states, computed, scheduled)
+            prompt_logprobs = step_outputs.prompt_logprobs(
+                self.model, batch.token_ids, hidden, states, computed, scheduled
+            )
             if not sample_states:
                 return StepResult(
                     step_id=plan.step_id,
                     prompt_logprobs=prompt_logprobs,
                 )
-            logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
-            constrained = _apply_grammar(logits, plan, sample_states)
-            md = batch.sampling_metadata(sample_states, logits.shape[1])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            constrained = step_outputs.apply_grammar(logits, plan, sample_states)
+            md = batch.sampling_metadata(sample_states, logits.shape[1], rows=rows[sampling])
             md.constrained = constrained
-            out = self.sampler(logits, md)
-        sampled = out.sampled_token_ids.cpu().numpy()
+            sampler_out = self.sampler(logits, md)
+        # The step's one wait for the device: only the sampled ids (and logprobs, if asked).
+        sampled = sampler_out.sampled_token_ids.cpu().numpy()
         batch.append_tokens(rows[sampling], sampled, sample_states)
         return StepResult(
             step_id=plan.step_id,
             req_ids=[s.req_id for s in sample_states],
             sampled_token_ids=sampled.tolist(),
-            logprobs=_to_token_logprobs(out, sample_states),
+            logprobs=step_outputs.to_token_logprobs(sampler_out, sample_states),
             prompt_logprobs=prompt_logprobs,
         )
-
-    def _prompt_logprobs(
-        self,
-        hidden: torch.Tensor,
-        states: list[CachedRequestState],
-        computed: np.ndarray,
-        scheduled: np.ndarray,
-    ) -> list[PromptLogprobs]:
-        """Prompt logprobs for the requests that asked: the hidden state at position p
-        scores prompt token p + 1, so a chunk covering positions [a, b) yields tokens
-        a + 1 .. min(b, num_prompt_tokens - 1). The last prompt position samples instead."""
-        result: list[PromptLogprobs] = []
-        for i, s in enumerate(states):
-            num_top = s.sampling.prompt_logprobs
-            if num_top is None:
-                continue
-            first = int(computed[i])
-            end = min(first + int(scheduled[i]), s.num_prompt_tokens - 1)
-            if first >= end:
-                continue
-            targets = torch.from_numpy(
-                self.input_batch.token_ids[s.row, first + 1 : end + 1].astype(np.int64)
-            ).to(self.device)
-            items: list[TokenLogprobs] = []
-            for off in range(0, end - first, _PROMPT_LOGPROBS_ROWS):
-                row0 = int(scheduled[:i].sum()) + off  # this request's first row in the step
-                tgt = targets[off : off + _PROMPT_LOGPROBS_ROWS]
-                logprobs = self.model.compute_logits(hidden[row0 : row0 + len(tgt)])
-                top_ids, top_lps, lps, ranks = gather_logprobs(
-                    logprobs.log_softmax(dim=-1), tgt, num_top
-                )
-                items += _token_logprobs(tgt, top_ids, top_lps, lps, ranks)
-            result.append(PromptLogprobs(s.req_id, first + 1, items))
-        return result
 
 
 def build_attention_metadata(
@@ -389,89 +444,10 @@ def build_attention_metadata(
     device: torch.device,
 ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
     """Metadata for requests computing ``scheduled[b]`` tokens after ``computed[b]``, with
-    ``block_table[b]`` their blocks; also each token's request index and position."""
-    seq_lens = computed + scheduled
-    cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
-    np.cumsum(scheduled, out=cu[1:])
-    token_req = np.repeat(np.arange(len(scheduled)), scheduled)
-    positions = computed[token_req] + np.arange(cu[-1]) - cu[token_req]
-    max_blocks = -(-int(seq_lens.max()) // block_size)
-    table = np.ascontiguousarray(block_table[:, :max_blocks], dtype=np.int32)
-    slots = table[token_req, positions // block_size].astype(np.int64) * block_size
-    slots += positions % block_size
-    qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-    seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-    meta = AttentionMetadata(
-        query_start_loc=qsl_cpu.to(device),
-        seq_lens=seq_cpu.to(device),
-        block_table=torch.from_numpy(table).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        max_query_len=int(scheduled.max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens_cpu=seq_cpu,
-    )
-    return meta, token_req, positions
-
-
-def _token_logprobs(
-    token_ids: torch.Tensor,
-    top_ids: torch.Tensor,
-    top_lps: torch.Tensor,
-    lps: torch.Tensor,
-    ranks: torch.Tensor,
-) -> list[TokenLogprobs]:
-    return [
-        TokenLogprobs(token_id=t, logprob=lp, rank=r, top_token_ids=ti, top_logprobs=tl)
-        for t, lp, r, ti, tl in zip(
-            token_ids.tolist(),
-            lps.tolist(),
-            ranks.tolist(),
-            top_ids.tolist(),
-            top_lps.tolist(),
-            strict=True,
-        )
-    ]
-
-
-def _apply_grammar(
-    logits: torch.Tensor, plan: StepPlan, sample_states: list[CachedRequestState]
-) -> torch.Tensor | None:
-    """The plan's bitmask rows onto the logits of the requests they belong to (before
-    logprobs and sampling, as vLLM: a constrained request's logprobs are the grammar's);
-    which rows those are ([N] bool), None when none."""
-    if not plan.grammar_req_ids:
-        return None
-    index = {s.req_id: i for i, s in enumerate(sample_states)}
-    rows = torch.tensor(
-        [index[req_id] for req_id in plan.grammar_req_ids], device=logits.device
-    )  # a row for each, or a bug
-    bitmask = bitmask_rows(plan.grammar_bitmask, len(rows))
-    apply_token_bitmask(logits, rows, bitmask)
-    constrained = torch.zeros(len(sample_states), dtype=torch.bool, device=logits.device)
-    constrained[rows] = True
-    return constrained
-
-
-def _to_token_logprobs(
-    out: SamplerOutput, states: list[CachedRequestState]
-) -> list[TokenLogprobs | None]:
-    """Each sampling row's logprobs, cut to the top-N its request asked for (None: not asked)."""
-    if out.top_token_ids is None:
-        return [None] * len(states)
-    assert out.top_logprobs is not None
-    assert out.sampled_logprobs is not None and out.sampled_ranks is not None
-    rows = _token_logprobs(
-        out.sampled_token_ids,
-        out.top_token_ids,
-        out.top_logprobs,
-        out.sampled_logprobs,
-        out.sampled_ranks,
-    )
-    result: list[TokenLogprobs | None] = []
-    for row, s in zip(rows, states, strict=True):
-        n = s.sampling.logprobs
-        if n is not None:
-            row.top_token_ids, row.top_logprobs = row.top_token_ids[:n], row.top_logprobs[:n]
-        result.append(None if n is None else row)
-    return result
+    ``block_table[b]`` their blocks; also each token's request index and position. In
+    buffers of its own, sized for this batch (for tests, benchmarks and profiling; the
+    model runner keeps its ``StepBuffers``)."""
+    num_reqs, num_tokens = len(scheduled), int(scheduled.sum())
+    buffers = StepBuffers(num_reqs, num_tokens, block_table.shape[1], device)
+    inputs = buffers.prepare(np.arange(num_reqs), computed, scheduled, block_table, block_size)
+    return inputs.attn_meta, inputs.token_req, inputs.positions_np

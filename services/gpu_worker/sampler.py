@@ -139,9 +139,8 @@ class Sampler:
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         if md.min_tokens_mask is not None:
-            logits = logits.index_put(
-                md.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device)
-            )
+            # new_full: a fill on the device, not a blocking copy of a host scalar.
+            logits = logits.index_put(md.min_tokens_mask, logits.new_full((), _NEG_INF))
         if grammar_only is not None:
             assert md.constrained is not None
             nothing_left = torch.isneginf(logits).all(dim=-1) & md.constrained

@@ -60,6 +60,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     max_len = engine.scheduler.resolved_max_model_len
     check_kv_capacity(num_blocks, engine.cache.block_size, max_len)
     worker.initialize_kv_cache(num_blocks)
+    worker.capture_cuda_graphs()
     connector = _kv_connector(engine, worker, rank, endpoints.engine_core)
     # Across machines a crashed node 0 closes no connection: heartbeats notice it.
     heartbeat: dict[int, int] = {zmq.HEARTBEAT_IVL: 2000, zmq.HEARTBEAT_TIMEOUT: 10_000}

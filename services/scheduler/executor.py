@@ -73,6 +73,7 @@ class UniprocExecutor(Executor):
         max_len = config.scheduler.resolved_max_model_len
         check_kv_capacity(self.num_blocks, config.cache.block_size, max_len)
         self.worker.initialize_kv_cache(self.num_blocks)
+        self.worker.capture_cuda_graphs()
         # Run at submit; taken in order (async scheduling submits a second plan first).
         self._results: deque[StepResult] = deque()
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from services.gpu_worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    MetadataBuilder,
+)
 from services.registry import ATTENTION_BACKENDS, load_backend
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVCache",
+    "MetadataBuilder",
     "ATTENTION_BACKENDS",
     "get_attention_backend",
 ]

@@ -32,8 +32,8 @@ class AttentionMetadata:
       ``slot_mapping`` [T] int64: cache slot (``block_id * block_size + offset``) each
           token's K/V is written to; -1 marks a padding token whose K/V is dropped.
     Host-side copies (``*_cpu``) let a backend size grids and split the batch without
-    a device sync. ``backend_state`` is scratch space for tensors a backend derives
-    from the metadata once per step and reuses in every layer.
+    a device sync. ``backend_state`` holds what the backend's ``MetadataBuilder`` derived
+    from the rest once per step, before the first layer, and every layer reuses.
     """
 
     query_start_loc: torch.Tensor
@@ -55,6 +55,29 @@ class AttentionMetadata:
         return int(self.query_start_loc_cpu[-1])
 
 
+class MetadataBuilder:
+    """Derives, once per step and before the first layer, what every layer of one backend
+    reuses (into ``AttentionMetadata.backend_state``); the model owns one per backend.
+
+    ``build(meta, kv_cache, graph_size=None)``: ``kv_cache`` is the first layer's (its
+    block size, dtype and device are every layer's); ``graph_size`` is the batch size of the CUDA graph
+    the step is captured into (or replays): what the backend derives from the step must
+    then depend on that size alone, since a replay runs no Python. Builders keep any
+    scratch memory they need allocated across steps (no allocation inside the forward).
+    The default derives nothing.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def build(
+        self, meta: AttentionMetadata, kv_cache: KVCache, graph_size: int | None = None
+    ) -> None:
+        meta.backend_state["built"] = True
+
+
 class AttentionBackend(ABC):
     """Paged attention for one layer.
 
@@ -72,6 +95,13 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # The builder of this backend's per-step state, and whether a decode step on it can be
+    # captured in a CUDA graph (no host sync, no allocation, grid fixed by the batch size).
+    builder: ClassVar[type[MetadataBuilder]] = MetadataBuilder
+    supports_cuda_graphs: ClassVar[bool] = False
+    # The backend rotates q and k itself, in the pass that writes K/V to the cache
+    # (``forward_rotary``): one launch instead of a rotary op and a cache write.
+    fuses_rotary: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
         if num_heads % num_kv_heads:
@@ -92,3 +122,16 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         attn_meta: AttentionMetadata,
     ) -> torch.Tensor: ...
+
+    def forward_rotary(
+        self,
+        qk: torch.Tensor,
+        value: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``forward`` of q and k not yet rotated, stacked in ``qk`` [T, num_heads +
+        num_kv_heads, head_dim] (rotated in place); ``cos_sin`` as ``RotaryEmbedding.cos_sin``
+        gives them. Only for backends with ``fuses_rotary``."""
+        raise NotImplementedError(f"the {self.name} attention backend does not fuse rotary")

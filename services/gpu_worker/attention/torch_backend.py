@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from services.gpu_worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    MetadataBuilder,
+)
 
 _KERNEL_HEAD_DIMS = (64, 128)
 
@@ -166,10 +171,35 @@ def _plan(meta: AttentionMetadata, block_size: int, use_kernel: bool) -> _Plan:
     return _Plan(write, None, groups)
 
 
+def _kernel_available(device: torch.device, head_dim: int) -> bool:
+    """Whether decode rows go to the C++ op: on CPU, for its head dims, when it builds."""
+    if device.type != "cpu" or head_dim not in _KERNEL_HEAD_DIMS:
+        return False
+    from actorserve_kernels.cpu import load_cpu_ops
+
+    return load_cpu_ops()
+
+
+class TorchMetadataBuilder(MetadataBuilder):
+    """The step's ``_Plan`` (cache-write indices, decode rows, SDPA groups), once per step."""
+
+    def build(
+        self, meta: AttentionMetadata, kv_cache: KVCache, graph_size: int | None = None
+    ) -> None:
+        key_cache = kv_cache[0]
+        use_kernel = _kernel_available(key_cache.device, self.head_dim)
+        meta.backend_state[TorchAttentionBackend.name] = _plan(meta, key_cache.shape[1], use_kernel)
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Reference paged attention with ``scaled_dot_product_attention``; see the module doc."""
+    """Reference paged attention with ``scaled_dot_product_attention``; see the module doc.
+
+    Its plan needs the batch's shape on the host (``torch.nonzero``, per-step index
+    tensors): no CUDA graphs on it.
+    """
 
     name = "torch"
+    builder = TorchMetadataBuilder
 
     def __init__(
         self,
@@ -187,11 +217,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _use_kernel(self, query: torch.Tensor) -> bool:
         if self._kernel is None:
-            from actorserve_kernels.cpu import load_cpu_ops
-
-            self._kernel = (
-                query.device.type == "cpu" and self.head_dim in _KERNEL_HEAD_DIMS and load_cpu_ops()
-            )
+            self._kernel = _kernel_available(query.device, self.head_dim)
         return self._kernel
 
     def forward(
@@ -204,9 +230,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         plan = attn_meta.backend_state.get(self.name)
-        if plan is None:
+        if plan is None or (plan.decode is not None and not self._use_kernel(query)):
+            # Called outside a model (which builds the plan before its first layer), or
+            # with the C++ op turned off on this backend (tests): plan for this call alone.
             plan = _plan(attn_meta, key_cache.shape[1], self._use_kernel(query))
-            attn_meta.backend_state[self.name] = plan
         reshape_and_cache(
             key, value, key_cache, value_cache, attn_meta.slot_mapping, write=plan.write
         )

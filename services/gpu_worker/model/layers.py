@@ -185,6 +185,25 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if (
+            x.is_cuda
+            and not torch.is_grad_enabled()
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.dtype == self.weight.dtype
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and (
+                residual is None
+                or (
+                    residual.shape == x.shape
+                    and residual.dtype == x.dtype
+                    and residual.stride(-1) == 1
+                )
+            )
+        ):
+            from actorserve_kernels.fused import rms_norm  # one Triton launch instead of ~9
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if (
             _cpu_inference(x)
             and x.dtype == self.weight.dtype
             and x.dim() == 2
@@ -248,6 +267,16 @@ class VocabParallelEmbedding(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up for ``gate_up = [gate | up]`` along the last dim."""
+    if (
+        gate_up.is_cuda
+        and not torch.is_grad_enabled()
+        and gate_up.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and gate_up.dim() == 2
+        and gate_up.stride(-1) == 1
+    ):
+        from actorserve_kernels.fused import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul(gate_up)  # one Triton launch, rounded once
     if _cpu_inference(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         op = _cpu_op("silu_and_mul")
         if op is not None:

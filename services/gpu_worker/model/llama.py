@@ -21,6 +21,9 @@ Pipeline parallelism: a stage holds a consecutive run of layers; the first also 
 embedding, the last the final norm and the LM head (and, with tied embeddings, the
 embedding it reuses). A stage that is not the last returns ``(hidden, residual)``
 for the next one, which takes them as ``intermediate``.
+
+The file stays whole: one model family's definition and its weight loading, read together
+(as vLLM keeps one file per model).
 """
 
 from __future__ import annotations
@@ -106,9 +109,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = self.rotary_emb(qk, *cos_sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn.forward(q, k, v, kv_cache, attn_meta)
+        if self.attn.fuses_rotary:
+            out = self.attn.forward_rotary(qk, v, cos_sin, kv_cache, attn_meta)
+        else:
+            qk = self.rotary_emb(qk, *cos_sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            out = self.attn.forward(q, k, v, kv_cache, attn_meta)
         return self.parallel.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -176,6 +182,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
         )
+        heads = HeadShard.of(arch, parallel)
+        # What the attention backend derives from a step's metadata, once per step.
+        self.attn_builder = attn_backend.builder(heads.num_heads, heads.num_kv_heads, arch.head_dim)
         self.layer_start, layer_end = parallel.layer_range(arch.num_hidden_layers)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, attn_backend, self.rotary_emb, parallel)
@@ -196,6 +205,8 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate
+        if not attn_meta.backend_state:  # else built already (a CUDA graph's, at capture)
+            self.attn_builder.build(attn_meta, kv_caches[0])
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         fused = self._fused_decode_args(hidden, attn_meta) if intermediate is None else None
         if fused is not None:
@@ -220,6 +231,7 @@ class LlamaModel(nn.Module):
         tokens = hidden.shape[0]
         if (
             not self.fused_decode
+            or hidden.device.type != "cpu"  # a C++ op of the CPU kernels
             or meta.max_query_len != 1
             or tokens != meta.num_reqs
             or int(meta.query_start_loc_cpu[-1]) != tokens  # padding rows
