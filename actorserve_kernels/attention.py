@@ -33,6 +33,20 @@ reach about two programs per SM, but give every split at least ``MIN_TOKENS_PER_
 context tokens so the extra writes and the reduce stay small next to the K/V reads, and at
 most ``MAX_SPLITS``; round down to a power of two (the reduce loads all splits as one
 vector). Prefill batches already have enough programs and are compute-bound.
+
+Quantized KV caches (``--kv-cache-dtype``, stored as ``kv_quant`` describes). The cache
+tensor's dtype picks the kernel variant (the ``KV_KIND`` constexpr), so a plain cache runs
+the same code as before. An fp8 cache's tiles are loaded as fp8 and an int8 cache's as
+int8 with each position's fp32 row scale (the 4 bytes after its ``head_dim`` values),
+dequantized in registers in fp32 (``float(stored) * scale``) and rounded to the query's
+dtype, which is what the plain kernel would have read from a cache holding
+``kv_quant.dequantize(stored, scale, query.dtype)``: the two give the same result (the
+tests check it bit for bit in the interpreter). The dots and the softmax are the plain
+kernel's. Reading fp8 needs sm_89+ for e4m3 (Triton has no e4m3 conversions before
+Ada); e5m2 converts in software on older GPUs.
+
+The file stays whole: one kernel, its split-KV reduce, the heuristic that picks between
+them and the wrapper that checks and launches them, read together.
 """
 
 from __future__ import annotations
@@ -45,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from actorserve_kernels import kv_quant
+
 TILE_SIZE = 32  # context positions per K/V tile (tl.dot needs >= 16)
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 16
@@ -52,6 +68,19 @@ _LOG2E = 1.4426950408889634
 # Triton's interpreter (3.9) multiplies bf16 tiles as raw 16-bit integers in tl.dot, so when
 # interpreting, bf16 operands are upcast to fp32 first. Read at import, as @triton.jit is.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _round_bf16(x, ROUND: tl.constexpr):
+    """fp32 ``x`` rounded to the nearest bf16 value (ties to even), still fp32, when ROUND.
+
+    Triton's interpreter (3.9) converts fp32 to bf16 by truncating, where GPUs and torch
+    round to nearest even: when interpreting, bf16 results are rounded by hand first."""
+    if ROUND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16 << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x
 
 
 # Triton's library functions (tl.max, tl.sum, tl.zeros, tl.cdiv) are themselves @jit
@@ -93,8 +122,10 @@ def _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.conste
 def _paged_attention_kernel(
     out_ptr,  # [T, num_q_heads, HEAD_DIM]
     q_ptr,  # [T, num_q_heads, HEAD_DIM]
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM (+ 4 for int8)]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM (+ 4 for int8)]
+    k_scale_ptr,  # [1] fp32, the layer's K scale when KV_KIND == "fp8" (else not read)
+    v_scale_ptr,  # [1] fp32
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
@@ -124,6 +155,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # None: Triton's default
     DOT_IN_FP32: tl.constexpr,
+    KV_KIND: tl.constexpr,  # "auto" (the cache holds q's dtype), "fp8" or "int8"
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -165,6 +197,9 @@ def _paged_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    if KV_KIND == "fp8":
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_SIZE + offs_t
@@ -180,9 +215,36 @@ def _paged_attention_kernel(
         v = tl.load(
             v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_valid[:, None], other=0.0
         )
-        if DOT_IN_FP32:
+        if KV_KIND == "auto":
+            if DOT_IN_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+        else:
+            # Dequantized in fp32, then rounded to q's dtype as a plain cache would hold it.
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+            if KV_KIND == "fp8":
+                k = k * k_scale
+                v = v * v_scale
+            else:  # int8: each position's fp32 scale follows its HEAD_DIM values
+                k_row_scale = tl.load(
+                    (k_cache_ptr + k_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                    mask=kv_valid,
+                    other=0.0,
+                )
+                v_row_scale = tl.load(
+                    (v_cache_ptr + v_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                    mask=kv_valid,
+                    other=0.0,
+                )
+                k = k * k_row_scale[None, :]
+                v = v * v_row_scale[:, None]
+            if DOT_IN_FP32:  # bf16 q, interpreted: what .to(bf16) gives on a GPU, kept fp32
+                k = _round_bf16(k, True)
+                v = _round_bf16(v, True)
+            else:
+                k = k.to(q_ptr.dtype.element_ty)
+                v = v.to(q_ptr.dtype.element_ty)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = row_valid[:, None] & (kv_pos[None, :] <= context_len + q_pos[:, None])
@@ -279,6 +341,31 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(f"paged_attention: {msg}")
 
 
+def kv_cache_kind(
+    fn: str,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> str:
+    """``kv_quant.kind`` of the caches ("auto", "fp8" or "int8"), checked: both caches share
+    a dtype, and an fp8 cache comes with its fp32 scales (one element each, on the cache's
+    device). Scales passed with another kind are ignored."""
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"{fn}: key_cache {key_cache.dtype} != value_cache {value_cache.dtype}")
+    kind = kv_quant.kind(key_cache)
+    if kind == "fp8":
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None:
+                raise ValueError(f"{fn}: an fp8 KV cache needs {name} (the layer's fp32 scale)")
+            if s.numel() != 1 or s.dtype != torch.float32 or s.device != key_cache.device:
+                raise ValueError(
+                    f"{fn}: {name} must be one fp32 element on {key_cache.device}, got "
+                    f"{list(s.shape)} {s.dtype} on {s.device}"
+                )
+    return kind
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -292,6 +379,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_buffer: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the batch's new tokens over their paged context.
 
@@ -299,7 +388,8 @@ def paged_attention(
         query: ``[T, num_q_heads, head_dim]``; rows past ``query_start_loc[-1]`` are not read
             and their output rows are left as they were.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already
-            holding the new tokens' K/V.
+            holding the new tokens' K/V: in ``query``'s dtype, or quantized as ``kv_quant``
+            describes (fp8 e4m3/e5m2; int8 ``[..., head_dim + 4]`` with the row scales).
         block_table: ``[B, max_blocks]`` int32 physical block ids per sequence.
         query_start_loc: ``[B + 1]`` int32 cumulative query lengths.
         seq_lens: ``[B]`` int32 context lengths including the new tokens.
@@ -311,15 +401,23 @@ def paged_attention(
         split_buffer: fp32 scratch of at least ``split_buffer_numel`` elements for the
             split partials, so that nothing is allocated (a CUDA graph replays with it);
             ``None`` allocates them when splitting.
+        k_scale, v_scale: the layer's fp32 scales (``[1]``, on the device, read by the
+            kernel: a CUDA graph sees their current value); required for an fp8 cache,
+            ignored otherwise.
 
     Returns:
         ``out``: ``[T, num_q_heads, head_dim]`` in ``query``'s dtype.
     """
     num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, row_width = key_cache.shape
     num_seqs = seq_lens.shape[0]
+    kind = kv_cache_kind("paged_attention", key_cache, value_cache, k_scale, v_scale)
     _check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
-    _check(key_cache.shape[3] == head_dim, f"cache head_dim {key_cache.shape[3]} != {head_dim}")
+    expected_width = head_dim + (kv_quant.INT8_SCALE_BYTES if kind == "int8" else 0)
+    _check(
+        row_width == expected_width,
+        f"cache rows of {row_width} {key_cache.dtype} != {expected_width} for head_dim {head_dim}",
+    )
     _check(head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} unsupported")
     _check(num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads")
     _check(query_start_loc.shape[0] == num_seqs + 1, "query_start_loc must have B + 1 entries")
@@ -369,6 +467,8 @@ def paged_attention(
         query,
         key_cache,
         value_cache,
+        k_scale if kind == "fp8" else key_cache,  # not read unless fp8
+        v_scale if kind == "fp8" else value_cache,
         block_table,
         seq_lens,
         query_start_loc,
@@ -399,6 +499,7 @@ def paged_attention(
         # fp32 tl.dot defaults to tf32 on GPUs (10-bit mantissa); fp32 callers want fp32.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_IN_FP32=_INTERPRETING and query.dtype == torch.bfloat16,
+        KV_KIND=kind,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](

@@ -10,6 +10,11 @@ included.
 Positional launch arguments are runtime values and keyword ones constexprs, as the
 wrappers pass them (``num_warps`` and ``num_stages`` are compiler options). Exit status 0 when all compile, 2 when the kernels were interpreted
 (``kernels`` turns the interpreter on for CPU-only hosts unless TRITON_INTERPRET=0).
+
+fp8 e4m3 KV caches (``--kv-cache-dtype fp8``) need sm_89+: Triton refuses fp8e4nv before
+Ada ("type fp8e4nv not supported in this architecture"), so those variants are skipped,
+with a note, for older targets. e5m2 compiles everywhere (before sm_89 Triton converts
+fp32 to e5m2 in software, through fp16).
 """
 
 from __future__ import annotations
@@ -28,10 +33,15 @@ from triton.runtime.jit import JITFunction
 import actorserve_kernels.attention as attention
 import actorserve_kernels.fused as fused
 import actorserve_kernels.kv_cache as kv_cache
+from actorserve_kernels import kv_quant
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-          torch.int32: "i32", torch.int64: "i64"}  # fmt: skip
+          torch.int32: "i32", torch.int64: "i64", torch.int8: "i8",
+          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}  # fmt: skip
 
+
+# Triton has no fp8 e4m3 (fp8e4nv) before Ada.
+_FP8E4NV_MIN_ARCH = 89
 
 # Launch keywords that are compiler options, not the kernel's constexprs.
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
@@ -104,6 +114,34 @@ def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
             cos = torch.empty(sum(q_lens), 1, d, dtype=dtype)
             fused.rotary_and_cache(qkv[:, : hq + hkv], qkv[:, hq + hkv :], cos, cos, hq,
                                    cache, cache, slots)  # fmt: skip
+        # Quantized KV caches (--kv-cache-dtype): the attention, write and rotary kernels.
+        # (model dtype, cache, q heads, kv heads, head_dim, query lens, num_splits)
+        for dtype, name, hq, hkv, d, q_lens, splits in [
+            (torch.bfloat16, "fp8_e4m3", 32, 8, 128, [7, 1], None),
+            (torch.bfloat16, "fp8_e4m3", 32, 8, 128, [1, 1], 4),
+            (torch.bfloat16, "fp8_e5m2", 32, 8, 128, [7, 1], None),
+            (torch.bfloat16, "int8", 32, 8, 128, [7, 1], None),
+            (torch.bfloat16, "int8", 32, 8, 128, [1, 1], 4),
+            (torch.float16, "fp8_e4m3", 9, 3, 64, [5, 1], None),
+            (torch.float32, "fp8_e4m3", 8, 1, 64, [1, 1], None),
+            (torch.float32, "int8", 8, 1, 64, [1, 1], None),
+        ]:
+            q = torch.empty(sum(q_lens), hq, d, dtype=dtype)
+            width = kv_quant.row_width(name, d)
+            cache = torch.empty(4, 16, hkv, width, dtype=kv_quant.storage_dtype(name, dtype))
+            scale = torch.ones(1)
+            qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+            seq_lens = torch.tensor([9, 40], dtype=torch.int32)
+            table = torch.zeros(2, 4, dtype=torch.int32)
+            attention.paged_attention(q, cache, cache, table, qsl, seq_lens, max(q_lens), 40,
+                                      num_splits=splits, k_scale=scale, v_scale=scale)  # fmt: skip
+            kv = torch.empty(sum(q_lens), hkv, d, dtype=dtype)
+            slots = torch.zeros(sum(q_lens), dtype=torch.int64)
+            kv_cache.reshape_and_cache(kv, kv, cache, cache, slots, scale, scale)
+            qkv = torch.empty(sum(q_lens), hq + 2 * hkv, d, dtype=dtype)
+            cos = torch.empty(sum(q_lens), 1, d, dtype=dtype)
+            fused.rotary_and_cache(qkv[:, : hq + hkv], qkv[:, hq + hkv :], cos, cos, hq,
+                                   cache, cache, slots, scale, scale)  # fmt: skip
     finally:
         for mod, name, cap in captures:
             setattr(mod, name, cap.fn)
@@ -117,13 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(attention._paged_attention_kernel, JITFunction):
         print("the kernels were set up for the interpreter: run with TRITON_INTERPRET=0")
         return 2
-    seen, failed = set(), 0
+    seen, skipped, failed = set(), set(), 0
     launches = _launch_variants()
     for arch, (name, fn, launch_args, kwargs) in ((a, v) for a in args.arch for v in launches):
         options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
         constexprs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
         source = _source(fn, launch_args, constexprs)
         key = repr((arch, name, source.signature, constexprs, options))
+        if arch < _FP8E4NV_MIN_ARCH and "*fp8e4nv" in source.signature.values():
+            if key not in skipped:
+                skipped.add(key)
+                print(f"sm_{arch} {name} {constexprs | options}: skipped (fp8 e4m3 needs sm_89+)")
+            continue
         if key in seen:
             continue
         seen.add(key)
@@ -137,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"sm_{arch} {name} {constexprs | options}: {detail} ({time.monotonic() - start:.1f} s)"
         )
-    print(f"{len(seen) - failed}/{len(seen)} variants compiled")
+    note = f" ({len(skipped)} fp8 e4m3 variants skipped: sm_89+ only)" if skipped else ""
+    print(f"{len(seen) - failed}/{len(seen)} variants compiled{note}")
     return 1 if failed else 0
 
 

@@ -23,6 +23,9 @@ to nearest even; when interpreting, bf16 outputs are therefore rounded by hand f
 (``_round_bf16``), so the CPU tests check the rounding a GPU does. The kernels use
 builtins only, as ``attention`` explains (``tl.reduce`` with ``_add_combine``; no
 ``tl.sum``, ``tl.sigmoid``).
+
+``rotary_and_cache`` writes quantized caches (fp8, int8) as ``reshape_and_cache`` does
+(``kv_cache`` explains how), from the rotated k as rounded to ``qk``'s dtype.
 """
 
 from __future__ import annotations
@@ -31,20 +34,23 @@ import torch
 import triton
 import triton.language as tl
 
-from actorserve_kernels.attention import _INTERPRETING, _add_combine
-from actorserve_kernels.kv_cache import check_last_dim_contiguous
+from actorserve_kernels import kv_quant
+from actorserve_kernels.attention import (
+    _INTERPRETING,
+    _add_combine,
+    _max_combine,
+    _round_bf16,
+    kv_cache_kind,
+)
+from actorserve_kernels.kv_cache import (
+    _int8_row_scale,
+    _quantize_fp8,
+    _quantize_int8,
+    check_last_dim_contiguous,
+    write_constexprs,
+)
 
 _FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _round_bf16(x, ROUND: tl.constexpr):
-    """fp32 ``x`` rounded to the nearest bf16 value (ties to even), still fp32, when ROUND."""
-    if ROUND:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16 << 16
-        x = bits.to(tl.float32, bitcast=True)
-    return x
 
 
 def _round_by_hand(dtype: torch.dtype) -> bool:
@@ -211,9 +217,11 @@ def _rotary_and_cache_kernel(
     v_ptr,  # [>= num_slots, NUM_KV_HEADS, 2 * HALF]
     cos_ptr,  # [T, (1,) 2 * HALF]: cos | cos
     sin_ptr,  # [T, (1,) 2 * HALF]: -sin | sin
-    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HALF]
-    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HALF]
+    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HALF (+ 4 for int8)]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HALF (+ 4 for int8)]
     slot_mapping_ptr,  # [num_slots] int, < 0 = padding
+    k_scale_ptr,  # [1] fp32, when KV_KIND == "fp8" (else not read)
+    v_scale_ptr,  # [1] fp32
     num_slots,
     stride_qk_tok,
     stride_qk_head,
@@ -238,6 +246,11 @@ def _rotary_and_cache_kernel(
     ROUND_QK: tl.constexpr,  # qk is bf16 and the interpreter truncates
     ROUND_K_CACHE: tl.constexpr,
     ROUND_V_CACHE: tl.constexpr,
+    KV_KIND: tl.constexpr,  # "auto" (cast to the cache dtype), "fp8" or "int8": kv_cache
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
 
@@ -269,16 +282,35 @@ def _rotary_and_cache_kernel(
         # The k heads are rows NUM_Q_HEADS.. of the tile; they go to the cache as stored
         # in qk (rounded to its dtype), then cast to the cache's.
         k_mask = mask & (offs_h >= NUM_Q_HEADS)
-        kc_ptrs = (
+        kc_rows = (
             key_cache_ptr
             + block * stride_kc_block
             + pos * stride_kc_pos
             + (offs_h - NUM_Q_HEADS) * stride_kc_head
-            + offs_d
         )
+        kc_ptrs = kc_rows + offs_d
         k_ty = key_cache_ptr.dtype.element_ty
-        k1 = _round_bf16(out1.to(tl.float32), ROUND_K_CACHE).to(k_ty)
-        k2 = _round_bf16(out2.to(tl.float32), ROUND_K_CACHE).to(k_ty)
+        if KV_KIND == "auto":
+            k1 = _round_bf16(out1.to(tl.float32), ROUND_K_CACHE).to(k_ty)
+            k2 = _round_bf16(out2.to(tl.float32), ROUND_K_CACHE).to(k_ty)
+        elif KV_KIND == "fp8":
+            k_scale = tl.load(k_scale_ptr)
+            k1 = _quantize_fp8(out1, k_scale, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, ROUND_FP8)
+            k2 = _quantize_fp8(out2, k_scale, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, ROUND_FP8)
+            k1 = k1.to(k_ty)
+            k2 = k2.to(k_ty)
+        else:  # int8: one scale over both halves of each head's row
+            x1 = tl.where(mask, out1.to(tl.float32), 0.0)
+            x2 = tl.where(mask, out2.to(tl.float32), 0.0)
+            absmax = tl.maximum(
+                tl.reduce(tl.abs(x1), 1, _max_combine), tl.reduce(tl.abs(x2), 1, _max_combine)
+            )
+            k_row_scale = _int8_row_scale(absmax)[:, None]
+            k1 = _quantize_int8(x1, k_row_scale)
+            k2 = _quantize_int8(x2, k_row_scale)
+            k_scale_ptrs = (kc_rows + 2 * HALF).to(tl.pointer_type(tl.float32))
+            k_rows = (offs_h >= NUM_Q_HEADS) & (offs_h < NUM_Q_HEADS + NUM_KV_HEADS)
+            tl.store(k_scale_ptrs, k_row_scale, mask=k_rows)
         tl.store(kc_ptrs, k1, mask=k_mask)
         tl.store(kc_ptrs + HALF, k2, mask=k_mask)
 
@@ -286,15 +318,25 @@ def _rotary_and_cache_kernel(
         offs_vd = tl.arange(0, HEAD_DIM_PADDED)[None, :]
         v_mask = (offs_vh < NUM_KV_HEADS) & (offs_vd < 2 * HALF)
         v = tl.load(v_ptr + tok * stride_v_tok + offs_vh * stride_v_head + offs_vd, mask=v_mask)
-        v = _round_bf16(v.to(tl.float32), ROUND_V_CACHE).to(value_cache_ptr.dtype.element_ty)
-        vc_ptrs = (
+        vc_rows = (
             value_cache_ptr
             + block * stride_vc_block
             + pos * stride_vc_pos
             + offs_vh * stride_vc_head
-            + offs_vd
         )
-        tl.store(vc_ptrs, v, mask=v_mask)
+        v_ty = value_cache_ptr.dtype.element_ty
+        if KV_KIND == "auto":
+            v = _round_bf16(v.to(tl.float32), ROUND_V_CACHE).to(v_ty)
+        elif KV_KIND == "fp8":
+            v_scale = tl.load(v_scale_ptr)
+            v = _quantize_fp8(v, v_scale, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, ROUND_FP8).to(v_ty)
+        else:
+            vf = tl.where(v_mask, v.to(tl.float32), 0.0)
+            v_row_scale = _int8_row_scale(tl.reduce(tl.abs(vf), 1, _max_combine))[:, None]
+            v = _quantize_int8(vf, v_row_scale)
+            v_scale_ptrs = (vc_rows + 2 * HALF).to(tl.pointer_type(tl.float32))
+            tl.store(v_scale_ptrs, v_row_scale, mask=offs_vh < NUM_KV_HEADS)
+        tl.store(vc_rows + offs_vd, v, mask=v_mask)
 
 
 def rotary_and_cache(
@@ -306,6 +348,8 @@ def rotary_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Neox rotary embedding of q and k in place, and k and v written to the paged cache.
 
@@ -318,14 +362,18 @@ def rotary_and_cache(
             ``RotaryEmbedding.cos_sin`` makes them: ``cos | cos`` and ``-sin | sin``, so
             ``rotate(x) = x * cos + cat(x2, x1) * sin``.
         num_q_heads: how many of ``qk``'s heads are q heads.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, in
+            any float dtype, or quantized (``kv_quant``): fp8, or int8
+            ``[..., head_dim + 4]`` (``head_dim`` a multiple of 4).
         slot_mapping: ``[S]`` integer slots, ``S <= T``: token ``t < S`` goes to slot
             ``slot_mapping[t]`` (block ``s // block_size``, position ``s % block_size``);
             negative slots (padding) and tokens ``t >= S`` are rotated but not cached.
+        k_scale, v_scale: the layer's fp32 scales (``[1]``, on the device) for an fp8
+            cache (required); ignored otherwise.
 
     Equals ``RotaryEmbedding.forward`` followed by ``kv_cache.reshape_and_cache`` of the
-    rotated k (cast to the cache dtype), except that the rotation is rounded once (module
-    doc). Returns ``qk``.
+    rotated k (cast to the cache dtype, or quantized as ``kv_quant.write`` does), except
+    that the rotation is rounded once (module doc). Returns ``qk``.
     """
     if qk.dim() != 3 or qk.dtype not in _FLOAT_TYPES:
         raise ValueError(
@@ -351,12 +399,14 @@ def rotary_and_cache(
             raise ValueError(
                 f"rotary_and_cache: {name} {list(t.shape)} is not [{num_tokens}, 1, {head_dim}]"
             )
-    cache_shape = (num_kv_heads, head_dim)
+    kind = kv_cache_kind("rotary_and_cache", key_cache, value_cache, k_scale, v_scale)
+    cache_shape = (num_kv_heads, kv_quant.row_width(kind, head_dim))
     if key_cache.shape != value_cache.shape or tuple(key_cache.shape[2:]) != cache_shape:
         raise ValueError(
             f"rotary_and_cache: caches {list(key_cache.shape)}/{list(value_cache.shape)} are "
-            f"not [num_blocks, block_size, {num_kv_heads}, {head_dim}]"
+            f"not [num_blocks, block_size, {num_kv_heads}, {cache_shape[1]}]"
         )
+    quant = write_constexprs("rotary_and_cache", kind, key_cache, head_dim)
     num_slots = slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1
     if not 0 <= num_slots <= num_tokens or slot_mapping.is_floating_point():
         raise ValueError(f"rotary_and_cache: slot_mapping must be [S <= {num_tokens}] integers")
@@ -378,6 +428,8 @@ def rotary_and_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        k_scale if kind == "fp8" else key_cache,  # not read unless fp8
+        v_scale if kind == "fp8" else value_cache,
         num_slots,
         qk.stride(0),
         qk.stride(1),
@@ -402,6 +454,7 @@ def rotary_and_cache(
         ROUND_QK=_round_by_hand(qk.dtype),
         ROUND_K_CACHE=_round_by_hand(key_cache.dtype),
         ROUND_V_CACHE=_round_by_hand(value_cache.dtype),
+        **quant,
         num_warps=4 if heads_padded * half_padded <= 4096 else 8,
     )
     return qk

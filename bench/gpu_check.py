@@ -2,7 +2,12 @@
 
 For a machine with an NVIDIA GPU (``make gpu-check``); the whole run fits in ~8 minutes.
 
-1. ``tests/test_kernels.py``, slow tests included, compiled for CUDA (a subprocess).
+1. The kernel tests compiled for CUDA, slow ones included (one pytest subprocess, at most
+   ``--tests-timeout-s``, 120 s; a failure or a timeout there is reported and the rest
+   still runs): ``tests/test_cuda_graphs.py`` (captured graphs against eager steps),
+   ``test_fused_kernels.py``, ``test_kv_quant_kernels.py`` and ``test_kernels.py``, in
+   that order; on pytest-xdist's workers where it is installed (compiling in parallel),
+   each test at most 90 s where pytest-timeout is.
 2. Copy bandwidth: a device-to-device copy, (read + written bytes) / time; every floor
    below divides by it.
 3. Attention at Llama-3-8B's heads (32 q, 8 kv, head_dim 128), bf16, block size 16:
@@ -11,8 +16,11 @@ For a machine with an NVIDIA GPU (``make gpu-check``); the whole run fits in ~8 
    floor K/V bytes / bandwidth.
 4. The model runner's real step, ``ModelRunner.execute(plan)`` over synthetic step plans,
    on a Llama-3-8B-shaped model with random weights (``bench/gpu_decode.py``, one process
-   per mode): decode at batch 1, 16, 64 and 256, context 2048, eager and with CUDA graphs,
-   against (weight bytes + KV bytes) / bandwidth; a 1,024-token prefill.
+   per mode): decode at batch 1, 16, 64 and 256, context 2048 (random K/V), with CUDA
+   graphs and then eager (graphs first: issue 31's numbers; the eager run gets what is left),
+   against (weight bytes + KV bytes) / bandwidth; a 1,024-token prefill. In the graphs
+   process each batch's last steps also run eagerly on the same inputs (``graph_vs_eager``:
+   hidden rows and tokens); the two processes' greedy tokens are compared at every step.
 5. NCCL with one rank (the lent machine has one GPU): the process group forms over TCP on
    loopback as ``init_distributed`` forms it, and all-reduce and all-gather on CUDA
    tensors give the right values (the code path of TP; the scaling is not measurable here).
@@ -29,6 +37,10 @@ are listed. A lent GPU machine runs it with its own torch and triton through
 ``--dry-run`` runs parts 4 and 6 on the CPU with a 2-layer model (no GPU, a few minutes):
 the imports, the plans, the server with its synthetic tokenizer, the client, the JSON.
 
+A reduced rerun (when the full one ran out of device time): ``--skip-tests --skip-serve``
+(bandwidth, attention, both runner processes, NCCL: ~3 minutes), with ``--skip-attention``
+and ``--decode-modes graphs`` for the graphs process alone (~1.5 minutes).
+
 Kernel times are medians over many runs after warm-up, from CUDA events; runner steps are
 host wall time around ``execute()`` (which ends with the sampled ids on the host). Prints
 tables and writes the results as JSON (``--out``), after each part, so that a part that
@@ -40,6 +52,7 @@ imports; not with ``--dry-run``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import json
@@ -111,7 +124,8 @@ MODULES = (
     "triton", "numpy", "pytest", "actorserve_kernels", "actorserve_kernels.attention", "actorserve_kernels.kv_cache",
     "services.config", "services.model_loader.weights", "services.gpu_worker.model_runner",
     "services.gpu_worker.attention.torch_backend", "services.gpu_worker.model.llama",
-    "tests.conftest", "tests.test_kernels", "bench.gpu_decode", "bench.gpu_serve",
+    "tests.conftest", "tests.test_kernels", "tests.test_cuda_graphs", "tests.test_fused_kernels",
+    "tests.test_kv_quant_kernels", "bench.gpu_decode", "bench.gpu_serve",
     "launch.cli", "launch.serve", "launch.child", "services.gpu_worker.worker",
     "services.scheduler.service", "services.tokenizer.service", "services.detokenizer.service",
     "services.api_server.process", "zmq", "uvicorn", "httptools", "uvloop", "bench.serve",
@@ -162,18 +176,82 @@ def git_commit() -> str | None:
 # ---------------------------------------------------------------- 1. tests
 
 
-def run_tests(timeout_s: float) -> dict:
+# In this order: what issue 31 changed first; test_kernels (67 s on the H200) last.
+TEST_FILES = ("tests/test_cuda_graphs.py", "tests/test_fused_kernels.py",
+              "tests/test_kv_quant_kernels.py", "tests/test_kernels.py")  # fmt: skip
+
+
+def tests_command(files: tuple[str, ...] = TEST_FILES, workers: int = 4) -> list[str]:
+    """pytest over ``files``, slow tests included; on ``workers`` pytest-xdist processes
+    where it is installed (Triton compiles on the CPU: in parallel), each test at most 90 s
+    where pytest-timeout is."""
+    import importlib.util
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+           "-m", "slow or not slow"]  # fmt: skip
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", "90"]
+    return cmd + list(files)
+
+
+def run_tests(timeout_s: float, cmd: list[str] | None = None) -> dict:
+    """The kernel tests in a subprocess, at most ``timeout_s`` (then SIGINT, so that pytest
+    prints what ran, and SIGKILL 15 s later). Returns {passed, returncode, seconds,
+    summary, failed, timed_out}: a failure does not stop the check."""
+    import collections
+    import threading
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
-           "tests/test_kernels.py"]  # fmt: skip
-    print(f"$ {' '.join(cmd[2:])}", flush=True)
+    cmd = cmd or tests_command()
+    print(f"$ {' '.join(cmd[2:])}  (at most {timeout_s:.0f} s)", flush=True)
     start = time.monotonic()
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)  # fmt: skip
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            tail.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
     try:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout_s).returncode
-    except subprocess.TimeoutExpired:
-        rc = -1
-        print(f"kernel tests did not finish within {timeout_s:.0f} s", flush=True)
-    return {"returncode": rc, "passed": rc == 0, "seconds": round(time.monotonic() - start, 1)}
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            print(f"kernel tests not done in {timeout_s:.0f} s: interrupted", flush=True)
+            _signal_group(proc, signal.SIGINT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+            rc = -1
+    finally:  # Terminated or Ctrl-C here: no test process outlives the check
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=5)
+    lines = list(tail)
+    summary = next((x.strip("= ") for x in reversed(lines)
+                    if " in " in x and any(w in x for w in ("passed", "failed", "error"))),
+                   None)  # fmt: skip
+    failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))][:50]
+    return {"returncode": rc, "passed": rc == 0, "seconds": round(time.monotonic() - start, 1),
+            "timed_out": timed_out, "summary": summary, "failed": failed,
+            "files": [f for f in cmd if f.startswith("tests/")]}  # fmt: skip
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 # ---------------------------------------------------------------- 2. bandwidth
@@ -267,17 +345,46 @@ def attention_case(kind: str, batch: int, q_len: int, ctx: int, bandwidth: float
     return row(name, ours, ref, kv_bytes / bandwidth * 1e3, note)
 
 
+def quantized_attention_case(kv: str, batch: int, ctx: int, bandwidth: float) -> dict:
+    """Decode attention over an fp8 or int8 KV cache (--kv-cache-dtype; the same values as
+    the bf16 case, quantized): ours against ours on the bf16 cache, and the floor of the
+    quantized cache's bytes."""
+    from actorserve_kernels import kv_quant, paged_attention
+
+    name = f"attn decode {kv} KV B={batch} ctx={ctx}"
+    inp = paged_inputs(batch, 1, ctx)
+    out = torch.empty_like(inp["query"])
+    plain = cuda_time_ms(lambda: paged_attention(**inp, out=out))
+    ref_out = out.clone()
+    storage = kv_quant.storage_dtype(kv, DTYPE)
+    scales = {"k_scale": torch.tensor([0.02], device=DEVICE),
+              "v_scale": torch.tensor([0.02], device=DEVICE)}  # fmt: skip
+    quant = dict(inp)
+    for name_ in ("key_cache", "value_cache"):
+        quant[name_] = kv_quant.quantize(inp[name_], storage, scales["k_scale"])
+    ours = cuda_time_ms(lambda: paged_attention(**quant, out=out, **scales))
+    err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
+    row_bytes = kv_quant.row_bytes(kv, HEAD_DIM, DTYPE)
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * row_bytes
+    note = f"ref: ours on the bf16 cache; rel err vs it {err:.1e} (quantization)"
+    return row(name, ours, plain, kv_bytes / bandwidth * 1e3, note)
+
+
 def bench_attention(bandwidth: float, deadline: float, rows: list[dict]) -> None:
     """Appends one row per case to ``rows`` (as it goes: an interrupt keeps the ones done)."""
     cases = [("decode", 64, 1, CONTEXT), ("decode", 256, 1, CONTEXT), ("decode", 4, 1, 16384),
              ("prefill", 1, 4096, 4096), ("prefill", 8, 1024, 1024)]  # fmt: skip
-    for kind, batch, q_len, ctx in cases:
+    quantized = [(kv, batch) for kv in ("fp8", "int8") for batch in (64, 256)]
+    for kind, batch, q_len, ctx in cases + [(kv, b, 1, CONTEXT) for kv, b in quantized]:
         name = f"attn {kind} B={batch} q={q_len} ctx={ctx}"
         if time.monotonic() > deadline:
             rows.append(row(name, None, None, None, "skipped: out of time"))
             continue
         try:
-            rows.append(attention_case(kind, batch, q_len, ctx, bandwidth))
+            if kind in ("fp8", "int8"):
+                rows.append(quantized_attention_case(kind, batch, ctx, bandwidth))
+            else:
+                rows.append(attention_case(kind, batch, q_len, ctx, bandwidth))
         except Exception as e:  # one failing case must not hide the others
             rows.append(row(name, None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200]))
         torch.cuda.empty_cache()
@@ -286,19 +393,32 @@ def bench_attention(bandwidth: float, deadline: float, rows: list[dict]) -> None
 # ---------------------------------------------------------------- 4. the runner's step
 
 
+GRAPHS_MIN_S = 150  # the graphs process's time, taken from the server's reserve if need be
+
+
 def bench_decode(
     args: argparse.Namespace, bandwidth: float, deadline: float, results: dict,
     save: Callable[[], None],
 ) -> None:  # fmt: skip
-    """``bench/gpu_decode.py`` once per mode (eager, then CUDA graphs), each in its own process
+    """``bench/gpu_decode.py`` once per mode (CUDA graphs, then eager: the graphs' numbers
+    are what issue 31 is about, so the deadline cannot starve them), each in its own process
     (a CUDA error or memory held in one cannot spoil the other or what follows); their JSON
     goes to ``results["decode"][mode]``, a table row per step."""
     decode, rows = results.setdefault("decode", {}), results["rows"]
-    for mode, cap_s in (("eager", 150), ("graphs", 210)):
-        # What the server part needs (bench/gpu_serve.py: start-up ~100 s, runs ~60-150 s)
-        left = deadline - time.monotonic() - (0 if args.skip_serve else args.serve_reserve_s)
+    caps, skipped = {"graphs": 210, "eager": 150}, []
+    others = [r for r in rows if not r["case"].startswith("runner ")]
+    for mode in [m for m in ("graphs", "eager") if m in args.decode_modes]:
+        cap_s = caps[mode]
+        # What the server part needs (bench/gpu_serve.py: start-up ~100 s, runs ~60-150 s);
+        # the graphs process may take up to GRAPHS_MIN_S of it (late tests, slow attention).
+        remaining = deadline - time.monotonic()
+        left = remaining - (0 if args.skip_serve else args.serve_reserve_s)
+        if mode == "graphs":
+            left = max(left, min(GRAPHS_MIN_S, remaining))
         if left < 30:
-            rows.append(row(f"runner {mode}", None, None, None, "skipped: out of time"))
+            skipped.append(row(f"runner {mode}", None, None, None, "skipped: out of time"))
+            rows[:] = others + decode_rows(decode) + skipped
+            save()
             continue
         path = args.out.with_name(f"{args.out.stem}_decode_{mode}.json")
         path.unlink(missing_ok=True)
@@ -315,8 +435,23 @@ def bench_decode(
         elif rc and not result["errors"]:
             result["errors"].append(f"exit status {rc}")
         decode[mode] = result
-        eager = {r["batch"]: r["step_ms"] for r in decode.get("eager", {}).get("rows", [])
-                 if "batch" in r and "step_ms" in r and r.get("sampling") == "greedy"}  # fmt: skip
+        # Graphs run first: their rows' reference (eager's step) is filled in once eager ran.
+        rows[:] = others + decode_rows(decode) + skipped
+        if "graphs" in decode and "eager" in decode:
+            results["decode_agreement"] = agreement(decode["eager"], decode["graphs"])
+        elif "graphs" in decode:
+            results["decode_agreement"] = {"graph_vs_eager": _gve_summary(decode["graphs"])}
+        save()
+
+
+def decode_rows(decode: dict) -> list[dict]:
+    """Table rows of the runner's steps, graphs then eager; a graphs greedy row's reference
+    is eager's step at the same batch."""
+    eager = {r["batch"]: r["step_ms"] for r in decode.get("eager", {}).get("rows", [])
+             if "batch" in r and "step_ms" in r and r.get("sampling") == "greedy"}  # fmt: skip
+    rows = []
+    for mode in [m for m in ("graphs", "eager") if m in decode]:
+        result = decode[mode]
         for r in result["rows"]:
             name = f"runner {mode} {r['case']}"
             if "step_ms" not in r:
@@ -332,26 +467,58 @@ def bench_decode(
             rows.append(row(name, r["step_ms"], ref, r.get("floor_ms"), note))
         for error in result["errors"]:
             rows.append(row(f"runner {mode}", None, None, None, f"FAILED: {error}"[:200]))
-        if mode == "graphs" and "eager" in decode:
-            results["decode_agreement"] = agreement(decode["eager"], result)
-        save()
+    return rows
 
 
 def agreement(eager: dict, graphs: dict) -> dict:
-    """How many first-step greedy tokens the two modes share (same weights, same prompts:
+    """The two processes' greedy tokens at every decode step (same weights, prompts and K/V:
     the graphs replay the eager kernels, so all of them unless the attention's split-KV or
-    a fused kernel differs per bucket), and the prefill's token (eager in both)."""
-    same = total = 0
-    for batch, tokens in eager.get("first_tokens", {}).items():
-        other = graphs.get("first_tokens", {}).get(batch)
-        if other is not None:
-            same += sum(a == b for a, b in zip(tokens, other, strict=False))
-            total += len(tokens)
+    a fused kernel differs per bucket and a near-tie flips; a request that differs once
+    continues from another token, so ``first_divergence`` is the step that matters), the
+    first step's alone, the prefill's token (eager in both), and the graphs process's own
+    ``graph_vs_eager``. ``comparable``: both filled the same K/V into as many blocks."""
+    same = total = first_same = first_total = 0
+    reqs_same = reqs = 0
+    divergence: dict[str, int] = {}
+    steps_e, steps_g = eager.get("step_tokens", {}), graphs.get("step_tokens", {})
+    for batch, e_steps in steps_e.items():
+        g_steps = steps_g.get(batch)
+        if g_steps is None:
+            continue
+        for i, (a, b) in enumerate(zip(e_steps, g_steps, strict=False)):
+            equal = sum(x == y for x, y in zip(a, b, strict=False))
+            same, total = same + equal, total + len(a)
+            if i == 0:
+                first_same, first_total = first_same + equal, first_total + len(a)
+            if equal != len(a) and batch not in divergence:
+                divergence[batch] = i
+        n = min(len(e_steps), len(g_steps))
+        for r in range(len(e_steps[0]) if e_steps else 0):
+            reqs += 1
+            reqs_same += all(e_steps[i][r] == g_steps[i][r] for i in range(n))
+    if not steps_e:  # an older gpu_decode JSON: the first step only
+        for batch, tokens in eager.get("first_tokens", {}).items():
+            other = graphs.get("first_tokens", {}).get(batch)
+            if other is not None:
+                first_same += sum(a == b for a, b in zip(tokens, other, strict=False))
+                first_total += len(tokens)
+        same, total = first_same, first_total
     return {
         "decode_tokens_equal": f"{same}/{total}",
+        "first_step_tokens_equal": f"{first_same}/{first_total}",
+        "requests_all_steps_equal": f"{reqs_same}/{reqs}",
+        "first_divergence": divergence or None,  # {batch: step}
+        "comparable": eager.get("kv_fill") == graphs.get("kv_fill"),
         "prefill_token_equal": eager.get("prefill_first_token") is not None
         and eager.get("prefill_first_token") == graphs.get("prefill_first_token"),
+        "graph_vs_eager": _gve_summary(graphs),
     }
+
+
+def _gve_summary(graphs: dict) -> dict | None:
+    """The graphs process's graph_vs_eager without its per-step list and method text."""
+    gve = graphs.get("graph_vs_eager")
+    return None if gve is None else {k: v for k, v in gve.items() if k not in ("checks", "method")}
 
 
 # ---------------------------------------------------------------- 6. the server
@@ -495,7 +662,8 @@ def run_parts(
         last[0] = time.monotonic()
 
     if not (args.skip_tests or args.dry_run):
-        results["tests"] = run_tests(timeout_s=min(180, args.budget_s * 0.35))
+        cmd = tests_command(workers=args.test_workers)
+        results["tests"] = run_tests(min(args.tests_timeout_s, args.budget_s * 0.3), cmd)
         ok = results["tests"]["passed"]
         mark("tests")
         save()
@@ -514,7 +682,7 @@ def run_parts(
         return False
     results["copy_bandwidth_gbps"] = round(bandwidth / 1e9, 1)
     print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
-    if not args.dry_run:
+    if not (args.dry_run or args.skip_attention):
         bench_attention(bandwidth, deadline, rows)
         torch.cuda.empty_cache()
     mark("bandwidth and attention")
@@ -550,7 +718,10 @@ def run_parts(
 def report(results: dict) -> None:
     if "tests" in results:
         t = results["tests"]
-        print(f"\nkernel tests on CUDA: {'passed' if t['passed'] else 'FAILED'} ({t['seconds']} s)")
+        verdict = "passed" if t["passed"] else "TIMED OUT" if t.get("timed_out") else "FAILED"
+        print(f"\nkernel tests on CUDA: {verdict} ({t['seconds']} s): {t.get('summary')}")
+        for line in t.get("failed", []):
+            print(f"  {line}")
     if "copy_bandwidth_gbps" in results:
         print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s; floor = bytes / bandwidth")
     if results["rows"]:
@@ -561,7 +732,11 @@ def report(results: dict) -> None:
         print(f"runner {mode}: built in {d.get('build_s')} s, capture {d.get('capture')}, "
               f"KV {d.get('kv_cache_gib')} GiB")  # fmt: skip
     if "decode_agreement" in results:
-        print(f"eager vs graphs, greedy tokens: {results['decode_agreement']}")
+        agree = dict(results["decode_agreement"])
+        gve = agree.pop("graph_vs_eager", None)
+        if agree:
+            print(f"eager vs graphs processes, greedy tokens at every step: {agree}")
+        print(f"graph replay vs eager forward on the same inputs (graphs process): {gve}")
     if "serve" in results:
         print_serve(results["serve"])
     if results.get("goals"):
@@ -604,7 +779,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON results")
     parser.add_argument("--budget-s", type=float, default=480, help="stop starting work after")
-    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true", help="no kernel tests (part 1)")
+    parser.add_argument("--tests-timeout-s", type=float, default=120,
+                        help="the kernel tests' limit (then interrupted; the rest runs)")  # fmt: skip
+    parser.add_argument("--test-workers", type=int, default=4,
+                        help="pytest-xdist workers for the tests, where installed (1: none)")  # fmt: skip
+    parser.add_argument("--skip-attention", action="store_true", help="no attention (part 3)")
+    parser.add_argument("--decode-modes", nargs="+", choices=["graphs", "eager"],
+                        default=["graphs", "eager"],
+                        help="runner processes of part 4 (always graphs first)")  # fmt: skip
     parser.add_argument("--skip-model", action="store_true", help="no runner steps (part 4)")
     parser.add_argument("--skip-serve", action="store_true", help="no server (part 6)")
     parser.add_argument("--serve-reserve-s", type=float, default=200,

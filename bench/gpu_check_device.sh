@@ -10,16 +10,31 @@
 #   bash bench/gpu_check_device.sh run       # on the GPU machine, .whl/ carried along: install
 #                                            # them under /tmp, run the check (make gpu-check)
 #
+# On a lent GPU machine (no network) .whl/ must travel with the tree, an ignored path:
+# the device tool's run with carry [".whl"] and command "bash bench/gpu_check_device.sh run"
+# (~8-9 minutes: tests <= 120 s, attention ~15 s, the graphs then the eager runner process
+# ~1-2 minutes each, NCCL, the server ~3-4 minutes; timeout_s 570). Without .whl/ `run`
+# stops in its first seconds with exit status 3 and says so.
+#
+# A reduced rerun, when the full one ran out of time (the runner's graphs first: issue 31):
+#   GPU_CHECK_ARGS="--skip-tests --skip-serve" bash bench/gpu_check_device.sh run
+#       # bandwidth, attention, the graphs and eager runner processes, NCCL: ~3 minutes
+#   GPU_CHECK_ARGS="--skip-tests --skip-serve --skip-attention --decode-modes graphs" ...
+#       # the graphs process alone (its timings and graph_vs_eager): ~1.5 minutes
+#   GPU_CHECK_ARGS="--skip-tests --skip-attention" ...   # no tests, the server still runs
+#
 # `run` uses GPU_CHECK_PY if set, else .venv/bin/python if `make install` built it, else
 # python3; the package is used from this source tree. Results: $OUT (or bench/out)/
-# gpu_check.json, gpu_check_decode_{eager,graphs}.json (part 4 alone) and gpu_check.log.
-# Exit status: gpu_check's (0 passed, 1 failed, 2 no GPU).
+# gpu_check.json, gpu_check_decode_{graphs,eager}.json (part 4 alone) and gpu_check.log.
+# Exit status: gpu_check's (0 passed, 1 failed, 2 no GPU or no torch), 3 when a package from
+# WHEELS does not import and $WHEEL_DIR has no wheels (.whl/ not carried or not fetched).
 #
 # Settings (environment): GPU_CHECK_PY, WHEEL_DIR (.whl), WHEEL_PYTHON_VERSION (3.12, for
 # fetch), GPU_CHECK_SITE (/tmp/site, where run installs the wheels), GPU_CHECK_TIMEOUT_S (515,
-# a hard limit on the check), GPU_CHECK_ARGS (extra arguments for bench.gpu_check, e.g.
-# "--skip-tests" or "--serve-args --enforce-eager"), GPU_CHECK_KEEP (dry-run: keep its
-# temporary interpreter and links).
+# a hard limit on the check), GPU_CHECK_ARGS (extra arguments for bench.gpu_check: the
+# reduced reruns above, "--tests-timeout-s 90", "--serve-args --enforce-eager"...),
+# GPU_CHECK_WHEEL_MODULES (what run imports first to see that the wheels are there),
+# GPU_CHECK_KEEP (dry-run: keep its temporary interpreter and links).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,6 +79,8 @@ torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm trans
 treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug
 wheel wrapt xarray xxhash yarl zipp"
 WHEEL_DIR=${WHEEL_DIR:-.whl}
+# Modules of WHEELS that the image lacks altogether: `run` imports them before anything else.
+WHEEL_MODULES=${GPU_CHECK_WHEEL_MODULES:-msgspec gguf zmq fastapi pydantic uvicorn httptools}
 
 fetch() {
     local version=${WHEEL_PYTHON_VERSION:-3.12}
@@ -114,13 +131,45 @@ run() {
         return 2
     fi
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-    local site=${GPU_CHECK_SITE:-/tmp/site}
+    local site=${GPU_CHECK_SITE:-/tmp/site} have_wheels=0
+    compgen -G "$WHEEL_DIR/*.whl" >/dev/null && have_wheels=1
     if [ -n "${GPU_CHECK_DRY_SITE:-}" ]; then  # dry-run: WHEELS already there, as .venv has them
         export PYTHONPATH=$GPU_CHECK_DRY_SITE:$PYTHONPATH
-    elif [ "$py" != .venv/bin/python ] && compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
-        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$site" "$WHEEL_DIR"/*.whl
+    elif [ "$py" != .venv/bin/python ] && [ "$have_wheels" = 1 ]; then
+        if ! "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$site" "$WHEEL_DIR"/*.whl; then
+            echo "gpu-check: installing $WHEEL_DIR/*.whl for $py failed (above); fetch them" \
+                "again for this Python (WHEEL_PYTHON_VERSION=... make gpu-wheels)" >&2
+            return 3
+        fi
         export PYTHONPATH=$site:$PYTHONPATH
+    fi
+    # The first seconds: a missing package stops here with what to do, not minutes later.
+    local missing
+    # shellcheck disable=SC2086  # WHEEL_MODULES is a list of words
+    missing=$("$py" - $WHEEL_MODULES <<'PY'
+import importlib
+import sys
+
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # ImportError, or a version clash as it loads
+        print(f"{name} ({type(e).__name__}: {e})")
+PY
+) || missing="(the import check itself failed)"
+    if [ -n "$missing" ]; then
+        echo "gpu-check: $py cannot import:" $missing >&2
+        if [ "$have_wheels" = 0 ]; then
+            echo "gpu-check: and $WHEEL_DIR/ has no wheels. A lent GPU machine has no network:" \
+                "where pip reaches PyPI run 'make gpu-wheels' (bash bench/gpu_check_device.sh" \
+                "fetch), then start the device run with carry [\"$WHEEL_DIR\"] (an ignored" \
+                "folder only travels when carried)." >&2
+        else
+            echo "gpu-check: $WHEEL_DIR/ has wheels but they do not provide it: update WHEELS" \
+                "in bench/gpu_check_device.sh, then make gpu-wheels" >&2
+        fi
+        return 3
     fi
     echo "gpu-check: $py ($("$py" -c 'import sys; print(sys.version.split()[0])')), PYTHONPATH=$PYTHONPATH"
     command -v nvidia-smi >/dev/null && nvidia-smi -L || true

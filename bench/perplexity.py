@@ -20,7 +20,14 @@ bf16, as vLLM runs a bf16 model), ``int8`` (``--cpu-activation-quant int8``: act
 rounded to int8 per block of 32, AVX-512 VNNI). bf16 runs on any CPU, fast only where it has
 AVX512_BF16 (the measurement is about accuracy here, not speed).
 
+``--kv-cache-dtype`` (with ``--calculate-kv-scales``) runs every configuration over a quantized KV
+cache. A window scored in one step attends over its own fresh K/V and never reads the cache;
+``--max-num-batched-tokens`` below ``--window`` (e.g. 64) splits each window into chunks, and
+every chunk after the first then reads the earlier ones (and itself) from the cache
+(``bench/kv_dtype.py accuracy`` does this for each KV dtype).
+
     .venv/bin/python -m bench.perplexity [--configs fp32 gguf bf16 bf16-dense int8] [--window 512]
+        [--kv-cache-dtype auto|fp8|fp8_e5m2|int8] [--calculate-kv-scales] [--max-num-batched-tokens N]
 
 Writes ``bench/results/perplexity.json`` and prints a table.
 """
@@ -53,14 +60,19 @@ def windows(ids: list[int], size: int, limit: int) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids) - size + 1, size)][:limit]
 
 
-def run_config(name: str, args: argparse.Namespace, text: str) -> dict[str, Any]:
+def run_config(
+    name: str, args: argparse.Namespace, text: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Score ``text`` and run the greedy prompts with configuration ``name`` (its engine
+    flags, then ``extra``'s: e.g. a KV cache dtype and a step token budget)."""
     from launch.llm import LLM, SamplingParams
 
+    engine_kwargs = {**CONFIGS[name], **(extra or {})}
     llm = LLM(
         args.model,
         max_model_len=max(args.window, 256) + args.max_tokens,
         enable_prefix_caching=False,
-        **CONFIGS[name],
+        **engine_kwargs,
     )
     ids = llm.tokenizer.encode(text)
     chunks = windows(ids, args.window, args.max_windows)
@@ -80,9 +92,10 @@ def run_config(name: str, args: argparse.Namespace, text: str) -> dict[str, Any]
     greedy = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     )
+    llm.close()
     return {
         "config": name,
-        "engine_kwargs": CONFIGS[name],
+        "engine_kwargs": engine_kwargs,
         "scored_tokens": count,
         "perplexity": math.exp(-total / count),
         "mean_nll": -total / count,
@@ -113,10 +126,21 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--name", default="perplexity", help="result file name (no suffix)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="every configuration's KV cache")
+    parser.add_argument("--calculate-kv-scales", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="below --window: later chunks of a window read the KV cache")  # fmt: skip
     args = parser.parse_args()
     path = args.text or (DEFAULT_TEXT if DEFAULT_TEXT.exists() else REPO / "README.md")
     text = path.read_text(encoding="utf-8")
-    rows = [run_config(name, args, text) for name in args.configs]
+    extra: dict[str, Any] = {}
+    if args.kv_cache_dtype != "auto":
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.calculate_kv_scales:
+        extra["calculate_kv_scales"] = True
+    if args.max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    rows = [run_config(name, args, text, extra) for name in args.configs]
     ref = rows[0]["greedy"]
     print(f"\ntext: {path} ({len(text)} characters); reference: {rows[0]['config']}")
     print("| config | perplexity | mean NLL | greedy identical | mean common prefix |")

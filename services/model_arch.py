@@ -10,6 +10,16 @@ from services.flags import ConfigError
 # Bytes per element of the simulated devices' dtypes (the sim worker, p2p's simulated link).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
+
+def kv_row_bytes(kv_cache_dtype: str, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one (token, head) K or V row of the cache, as a real rank stores it."""
+    if kv_cache_dtype.startswith("fp8"):
+        return head_dim
+    if kv_cache_dtype == "int8":
+        return head_dim + 4
+    return head_dim * element_bytes
+
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -491,10 +492,11 @@ def test_payloads_and_endpoint_checks(fake_server: str) -> None:
 
 
 def test_gpu_decode_tiny_dry_run(tmp_path: Path) -> None:
-    """bench/gpu_decode.py, tiny, in both modes (on a CPU capture_cuda_graphs is a no-op):
-    the synthetic plans drive ModelRunner.execute through decode (new blocks as requests
-    cross block boundaries), the sampled row and a prefill; every row timed, floors set, and
-    both modes sample the same first tokens (same weights, same prompts)."""
+    """bench/gpu_decode.py, tiny, in both modes (on a CPU with the torch backend
+    capture_cuda_graphs does nothing): the synthetic plans drive ModelRunner.execute through
+    decode (new blocks as requests cross block boundaries), the sampled row and a prefill;
+    every row timed, floors set; the K/V cache random, the same in both; both modes sample
+    the same tokens at every step (same weights, prompts and K/V)."""
     from bench import gpu_check, gpu_decode
 
     results = {}
@@ -514,10 +516,180 @@ def test_gpu_decode_tiny_dry_run(tmp_path: Path) -> None:
             # boundary at 48 is not crossed; 16-token blocks: the third block since 33)
             assert row["mean_context"] == pytest.approx(43.5)
         assert {k: len(v) for k, v in r["first_tokens"].items()} == {"1": 1, "4": 4, "8": 8}
+        # step 0, 1 warm-up, 4 timed, 2 check steps: 8 steps of each greedy batch
+        assert {k: [len(s) for s in v] for k, v in r["step_tokens"].items()} == {
+            "1": [1] * 8, "4": [4] * 8, "8": [8] * 8,
+        }  # fmt: skip
+        assert r["kv_fill"]["how"].startswith("normal(0, 1)") and r["kv_fill"]["num_blocks"] > 0
         prefill = r["rows"][-1]
         assert prefill["case"] == "prefill 32 tokens" and prefill["step_ms"] > 0
+    # graphs mode on a CPU with the torch backend: no graphs, so nothing replayed to compare
+    gve = results["graphs"]["graph_vs_eager"]
+    assert (
+        gve["checks"] == [] and gve["verdict"] is None and "graph_vs_eager" not in results["eager"]
+    )
     agree = gpu_check.agreement(results["eager"], results["graphs"])
-    assert agree == {"decode_tokens_equal": "13/13", "prefill_token_equal": True}
+    assert agree == {
+        "decode_tokens_equal": "104/104", "first_step_tokens_equal": "13/13",
+        "requests_all_steps_equal": "13/13", "first_divergence": None, "comparable": True,
+        "prefill_token_equal": True,
+        "graph_vs_eager": {"steps_checked": 0, "replayed": "0/0", "verdict": None},
+    }  # fmt: skip
+
+
+def test_gpu_decode_kv_fill_only_in_the_models_float_dtype() -> None:
+    """Random K/V where the cache holds the model's dtype; a quantized cache is zeroed."""
+    from types import SimpleNamespace
+
+    from bench.gpu_decode import fill_kv_cache
+
+    caches = [(torch.full((3, 16, 2, 8), 7.0), torch.full((3, 16, 2, 8), 7.0)) for _ in range(2)]
+    fill = fill_kv_cache(SimpleNamespace(kv_caches=caches, dtype=torch.float32))
+    assert fill == {"num_blocks": 3, "cache_dtype": "float32", "how": "normal(0, 1), seed 1234"}
+    k0, v0 = caches[0]
+    assert abs(float(k0.std()) - 1) < 0.1 and not torch.equal(k0, v0)
+    assert not torch.equal(k0, caches[1][0])
+    again = [(torch.empty(3, 16, 2, 8), torch.empty(3, 16, 2, 8)) for _ in range(2)]
+    fill_kv_cache(SimpleNamespace(kv_caches=again, dtype=torch.float32))
+    assert all(
+        torch.equal(a, b)
+        for x, y in zip(caches, again, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+    quantized = [(torch.full((3, 16, 2, 9), 5, dtype=torch.uint8),) * 2]
+    fill = fill_kv_cache(
+        SimpleNamespace(kv_caches=quantized, dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    )
+    assert fill["how"].startswith("zeros: the cache stores fp8_e4m3 (uint8)")
+    assert not quantized[0][0].any()
+    bf16_cache = [(torch.ones(2, 16, 2, 8, dtype=torch.bfloat16),) * 2]
+    assert fill_kv_cache(SimpleNamespace(kv_caches=bf16_cache, dtype=torch.float32))[
+        "how"
+    ].startswith("zeros")
+
+
+def _tiny_graph_bench(tmp_path: Path):
+    """A tiny runner whose decode steps pad to graph sizes and run eagerly (the Triton
+    backend in the interpreter, ``capture_cuda_graphs(record=False)``), in a Bench that
+    checks its last step of each batch against the eager forward."""
+    from bench import gpu_decode
+
+    runner, _, _ = gpu_decode.build_runner(
+        gpu_decode.TINY, "cpu", eager=False, max_batch=4, max_model_len=64, token_budget=64,
+        attention_backend="triton",
+    )  # fmt: skip
+    runner.initialize_kv_cache(8)
+    gpu_decode.fill_kv_cache(runner)
+    capture = gpu_decode.capture_graphs(runner, "cpu", "graphs")
+    assert capture["runner_graphs"] and not capture["recorded"]
+    out = {"rows": [], "first_tokens": {}, "step_tokens": {}, "errors": []}
+    return runner, gpu_decode.Bench(runner, "cpu", 1e10, out, check_steps=1), out
+
+
+def test_gpu_decode_graph_vs_eager_on_the_cpu(tmp_path: Path) -> None:
+    """graph_vs_eager's code on a CPU: the padded steps "replay" (eagerly) and equal the
+    eager forward over the same inputs bit for bit; the greedy tokens too. A replay that
+    read another context (a stale sequence length, as a graph that baked one in would)
+    shows up as DIFFERENT over the random K/V, even one token of 20 left out (the last
+    step's lengths)."""
+    from bench import gpu_decode
+    from bench.gpu_decode import summarize_checks
+
+    runner, bench, out = _tiny_graph_bench(tmp_path)
+    row = bench.decode(3, 20, warmup=1, steps=1, per_seq=2)
+    assert row["steps"] == 1 and [len(s) for s in out["step_tokens"]["3"]] == [3] * 4
+    (check,) = bench.checks
+    assert check["graph_size"] == 4 and check["max_abs_diff"] == 0 and check["tokens"] == 3
+    assert check["tokens_equal"] == 3 and check["finite"]
+    assert summarize_checks(bench.checks)["verdict"] == "identical"
+
+    # A "graph" that attends over one token fewer for the first request.
+    graphs, seq_lens = runner.graphs, runner.buffers.seq_lens
+    replay = graphs.replay
+
+    def stale(size: int) -> torch.Tensor:
+        seq_lens.np[0] -= 1
+        try:
+            return replay(size)
+        finally:
+            seq_lens.np[0] += 1
+
+    graphs.replay = stale
+    bench.decode(2, 20, warmup=0, steps=1, per_seq=2)
+    assert graphs.replay == replay  # compare_step put the instance's method back
+    bad = bench.checks[-1]
+    assert bad["graph_size"] == 2 and bad["max_row_rel_err"] > gpu_decode.ROW_REL_ERROR
+    summary = summarize_checks(bench.checks)
+    assert summary["verdict"] == "DIFFERENT" and summary["replayed"] == "2/2"
+    assert summarize_checks([{"note": "not replayed"}]) == {
+        "steps_checked": 1, "replayed": "0/1", "verdict": None,
+    }  # fmt: skip
+
+
+def test_gpu_check_agreement_over_every_step() -> None:
+    """Two processes' greedy tokens step by step: where a request first differs."""
+    from bench.gpu_check import agreement
+
+    eager = {"step_tokens": {"2": [[1, 2], [3, 4], [5, 6]], "1": [[9], [9]]},
+             "kv_fill": {"how": "x"}, "prefill_first_token": 7}  # fmt: skip
+    graphs = {"step_tokens": {"2": [[1, 2], [3, 4], [5, 0]], "1": [[9], [9]]},
+              "kv_fill": {"how": "x"}, "prefill_first_token": 7,
+              "graph_vs_eager": {"method": "m", "checks": [{}], "verdict": "identical"}}  # fmt: skip
+    assert agreement(eager, graphs) == {
+        "decode_tokens_equal": "7/8", "first_step_tokens_equal": "3/3",
+        "requests_all_steps_equal": "2/3", "first_divergence": {"2": 2}, "comparable": True,
+        "prefill_token_equal": True, "graph_vs_eager": {"verdict": "identical"},
+    }  # fmt: skip
+
+
+def test_gpu_check_kernel_tests_report_failures_and_time_out(tmp_path: Path) -> None:
+    """Part 1: the four kernel test files, in order; a failing test is reported (the check
+    goes on); past the limit pytest is interrupted and says what ran."""
+    import sys
+
+    from bench import gpu_check
+
+    cmd = gpu_check.tests_command(workers=1)
+    assert [c for c in cmd if c.startswith("tests/")] == list(gpu_check.TEST_FILES)
+    assert "-n" not in cmd and gpu_check.TEST_FILES[-1] == "tests/test_kernels.py"
+    test = tmp_path / "test_x.py"
+    test.write_text("import time\n\ndef test_ok():\n    pass\n\n"
+                    "def test_bad():\n    assert 1 == 2\n\n"
+                    "def test_slow():\n    time.sleep(float(__import__('os').environ.get('SLOW', 0)))\n")  # fmt: skip
+    base = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+            "--rootdir", str(tmp_path), "-c", "/dev/null", str(test)]  # fmt: skip
+    r = gpu_check.run_tests(60, base)
+    assert not r["passed"] and r["returncode"] == 1 and not r["timed_out"]
+    assert len(r["failed"]) == 1 and r["failed"][0].startswith("FAILED ")
+    assert "test_x.py::test_bad" in r["failed"][0]
+    assert r["summary"].startswith("1 failed, 2 passed")
+    import os
+
+    os.environ["SLOW"] = "60"
+    try:
+        r = gpu_check.run_tests(4, base)
+    finally:
+        del os.environ["SLOW"]
+    assert r["timed_out"] and not r["passed"] and r["seconds"] < 30
+    assert r["summary"] is not None and "1 failed" in r["summary"]
+
+
+def test_gpu_check_device_run_stops_at_once_without_wheels(tmp_path: Path) -> None:
+    """`run` with no wheels in WHEEL_DIR and a module it cannot import: exit status 3 in
+    the first seconds, saying to carry .whl/."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).parent.parent
+    if not (repo / ".venv" / "bin" / "python").exists():
+        pytest.skip("run picks .venv's python (make install)")
+    env = {**os.environ, "WHEEL_DIR": str(tmp_path / "none"), "OUT": str(tmp_path),
+           "GPU_CHECK_WHEEL_MODULES": "json no_such_module_here"}  # fmt: skip
+    run = subprocess.run(["bash", "bench/gpu_check_device.sh", "run"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "no_such_module_here" in run.stderr and "carry [" in run.stderr
+    assert not (tmp_path / "gpu_check.json").exists()
 
 
 def test_gpu_decode_plans_add_blocks_at_boundaries() -> None:
@@ -631,3 +803,51 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         assert x["timeline"]["decode_steps"] > 0 and "worker" in x["cpu_share"]
         assert x["allowed"]["achieved_frac"] > 0
     assert (tmp_path / "gpu_check.log").read_text().count("Serving Benchmark Result") == 4
+
+
+# --- bench/kv_dtype.py (issue 32's measurements), tiny ----------------------------------------
+
+
+def test_kv_dtype_tiny_parts_run(tmp_path: Path, small_model: Path) -> None:
+    """``bench.kv_dtype accuracy|capacity|decode --tiny`` on the 2-layer dummy model: every KV
+    variant scored in chunks against auto, the whole-window control equal to auto (nothing
+    reads the cache there), capacity from the start-up lines, decode steps timed."""
+    from bench import kv_dtype
+
+    common = ["--tiny", "--model", str(small_model), "--load-format", "dummy",
+              "--out-dir", str(tmp_path)]  # fmt: skip
+    assert kv_dtype.main(["accuracy", "--dtypes", "float32", *common]) == 0
+    acc = json.loads((tmp_path / "kv_dtype_accuracy.json").read_text())
+    by = {r["kv"]: r for r in acc["rows"]}
+    assert list(by) == [*kv_dtype.KV_VARIANTS, "auto (whole windows)", "fp8 (whole windows)"]
+    assert by["auto"]["ppl_ratio"] == 1.0 and by["auto"]["long_agreement"]["identical"] == 1.0
+    assert by["fp8 (whole windows)"]["perplexity"] == by["auto (whole windows)"]["perplexity"]
+    assert all(math.isfinite(r["perplexity"]) for r in acc["rows"])
+    assert len(by["int8"]["long_greedy"]) == 2 and by["int8"]["long_prompt_lens"] == [96, 96]
+
+    assert kv_dtype.main(["capacity", "--dtypes", "float32", *common]) == 0
+    cap_rows = json.loads((tmp_path / "kv_dtype_capacity.json").read_text())["rows"]
+    cap = {r["kv"]: r for r in cap_rows}
+    assert list(cap) == list(kv_dtype.CAPACITY_DTYPES)
+    # head_dim 32: fp32 rows of 128 bytes, fp8 rows of 32, int8 rows of 32 + a 4-byte scale
+    assert cap["auto"]["bytes_per_block"] == 4 * cap["fp8"]["bytes_per_block"]
+    assert cap["int8"]["bytes_per_block"] * 32 == cap["fp8"]["bytes_per_block"] * 36
+    assert cap["fp8"]["max_concurrency"] > 3.9 * cap["auto"]["max_concurrency"]
+    assert cap["auto"]["max_concurrency_line"].startswith("Maximum concurrency for 256 tokens")
+
+    assert kv_dtype.main(["decode", "--dtypes", "float32", *common]) == 0
+    dec = json.loads((tmp_path / "kv_dtype_decode.json").read_text())
+    assert {(r["kv"], r["batch"], r["context"]) for r in dec["rows"]} == {
+        (kv, b, 48) for kv in ("auto", "fp8", "fp8_e5m2", "int8") for b in (1, 2)
+    }
+    assert all(r["step_ms"] > 0 and r["steps"] == 2 for r in dec["rows"])
+    assert (tmp_path / "kv_dtype_decode.png").exists()
+
+
+def test_kv_dtype_divergence() -> None:
+    from bench.kv_dtype import divergence
+
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    d = divergence(ref, [[1, 2, 3, 4], [5, 9, 7, 8]])
+    assert d == {"identical": 0.5, "tokens_before_divergence": 5 / 8, "first_divergence": [None, 1]}
+    assert divergence(ref, [[1, 2, 3], [5, 6, 7, 8]])["first_divergence"] == [3, None]

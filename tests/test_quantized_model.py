@@ -236,11 +236,16 @@ def test_gguf_blocks_narrow(qtype: Q) -> None:
     assert blocks.narrow(1, size // 2, size) is None  # cuts a block: the loader expands it
 
 
-@pytest.mark.parametrize("model_kind", ["default", "default-int8", "default-bf16", "k-quants"])
+@pytest.mark.parametrize(
+    "model_kind",
+    ["default", "default-int8", "default-bf16", "k-quants", "default-fp8kv", "default-int8kv"],
+)
 def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path) -> None:
     """A decode-only step through ``decode_layers`` (one C++ call for every layer) gives the
     Python layers' logits and cache contents bit for bit: the same kernels in the same order,
-    for the default model (Q4_1, with fp32, int8 or bf16 activations) and a Q4_K/Q6_K one."""
+    for the default model (Q4_1, with fp32, int8 or bf16 activations; over an fp8 or int8 KV
+    cache) and a Q4_K/Q6_K one."""
+    from actorserve_kernels import kv_quant
     from services.gpu_worker.model_runner import build_attention_metadata
     from tests.test_model import make_kv_cache
 
@@ -258,6 +263,16 @@ def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path
     tables = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)  # 4 blocks (64 slots) each
     caches = [make_kv_cache(12, block_size, arch.num_key_value_heads, arch.head_dim, dtype)
               for _ in range(arch.num_hidden_layers)]  # fmt: skip
+    kv_dtype = {"default-fp8kv": "fp8", "default-int8kv": "int8"}.get(model_kind)
+    if kv_dtype is not None:  # quantized caches, fp8 scales other than 1.0
+        width = kv_quant.row_width(kv_dtype, arch.head_dim)
+        shape = (12, block_size, arch.num_key_value_heads, width)
+        storage = kv_quant.storage_dtype(kv_dtype, dtype)
+        caches = [(torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage))
+                  for _ in range(arch.num_hidden_layers)]  # fmt: skip
+        for layer in model.model.layers:
+            layer.self_attn.k_scale.fill_(0.07)
+            layer.self_attn.v_scale.fill_(0.03)
     rng = np.random.default_rng(3)
 
     def step(
@@ -281,6 +296,10 @@ def test_fused_decode_layers_equal_python_layers(model_kind: str, tmp_path: Path
     assert model.model._fused is not None and model.model._fused is not False
     assert torch.equal(fused, python)
     for (k1, v1), (k2, v2) in zip(caches, twin, strict=True):
+        if kv_dtype is not None:  # the same bytes
+            assert torch.equal(kv_quant.as_bytes(k1), kv_quant.as_bytes(k2))
+            assert torch.equal(kv_quant.as_bytes(v1), kv_quant.as_bytes(v2))
+            continue
         assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(
             v1.nan_to_num(), v2.nan_to_num()
         )

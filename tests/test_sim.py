@@ -227,10 +227,6 @@ def test_clock_scales_intervals_and_wall_time() -> None:
 
 def test_sim_refuses_what_it_does_not_model() -> None:
     from services.config import EngineConfig
-    from services.gpu_worker.distributed import ParallelState
-    from services.gpu_worker.sim.worker import SimWorker
-    from services.model_loader import prepare_model
-    from services.model_loader.sim_model import sim_model_folder
 
     with pytest.raises(ConfigError, match="run it on one machine"):
         EngineConfig.from_kwargs(worker_backend="sim", tensor_parallel_size=2, nnodes=2,
@@ -238,10 +234,30 @@ def test_sim_refuses_what_it_does_not_model() -> None:
     with pytest.raises(ConfigError, match="engine nodes only at --sim-speed 1"):
         EngineConfig.from_kwargs(worker_backend="sim", sim_speed=0.5, data_parallel_size=2,
                                  data_parallel_size_local=1)  # fmt: skip
-    config = EngineConfig.from_kwargs(worker_backend="sim", sim_model=MODEL)
-    config.cache.kv_cache_dtype = "fp8"
-    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8 is not supported"):
-        SimWorker(config, sim_model_folder(MODEL, prepare_model(None)), ParallelState())
+
+
+def test_sim_kv_cache_dtype_capacity_and_attention_time() -> None:
+    """--kv-cache-dtype on a simulated H200: fp8 holds twice the bf16 blocks (int8 a little
+    less, its rows carry a scale) and decode attention at long context reads half the bytes."""
+    from services.config import EngineConfig
+    from services.gpu_worker.distributed import ParallelState
+    from services.gpu_worker.sim.worker import SimWorker
+    from services.model_loader import load_hf_config, prepare_model
+    from services.model_loader.sim_model import sim_model_folder
+
+    folder = sim_model_folder(MODEL, prepare_model(None))
+    blocks, attention = {}, {}
+    for kv in ("auto", "fp8", "int8"):
+        config = EngineConfig.from_kwargs(worker_backend="sim", sim_model=MODEL,
+                                          kv_cache_dtype=kv, max_num_batched_tokens=2048)  # fmt: skip
+        worker = SimWorker(config, folder, ParallelState())
+        blocks[kv] = worker.determine_num_blocks()
+        attention[kv] = worker.cost.attention_time([RequestWork(1, 8192, True)] * 64)
+    head_dim = ModelArchConfig.from_hf_config(load_hf_config(folder)).head_dim
+    assert blocks["fp8"] == pytest.approx(2 * blocks["auto"], rel=1e-3)
+    assert blocks["int8"] == pytest.approx(2 * blocks["auto"] * head_dim / (head_dim + 4), rel=1e-3)
+    assert attention["fp8"] < 0.55 * attention["auto"]
+    assert attention["fp8"] < attention["int8"] < attention["auto"]
 
 
 def test_kv_block_residency_is_timed_in_simulated_seconds() -> None:

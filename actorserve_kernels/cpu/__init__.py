@@ -2,7 +2,10 @@
 
 - ``paged_attention_rows``: attention of single query rows over the paged KV cache in
   place (the torch attention backend's decode rows; SDPA keeps the prefill rows, as in
-  vLLM's CPU backend);
+  vLLM's CPU backend), plain or quantized (``--kv-cache-dtype``: fp8 e4m3fn / e5m2, int8;
+  ``actorserve_kernels/kv_quant.py``), dequantized in registers;
+- ``write_kv_cache``: K/V rows into their cache slots, quantized as ``kv_quant.write``
+  quantizes them (bit for bit);
 - ``small_linear``: a weight-streaming linear for 1-2 tokens (batch-1/2 decode);
 - ``quant_linear``: a linear over GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks,
   interleaved 16 rows at a time by ``quant_pack``), dequantized in registers, fp32
@@ -141,16 +144,53 @@ def paged_attention_rows(
     reqs: torch.Tensor,
     ctx_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """out[rows[i]] = attention of query[rows[i]] over the first ctx_lens[i] cached
     positions of request reqs[i] (its row of ``block_table``), for every i.
 
     ``query``/``out`` [T, heads, D] (last dim contiguous), caches [blocks, block_size,
     kv_heads, D] contiguous, ``block_table`` int32, the index tensors int64. D is 64 or 128.
-    Requires ``load_cpu_ops()`` to have returned True.
+    The caches are the query's dtype, or quantized as ``kv_quant`` describes: float8_e4m3fn
+    / float8_e5m2 of that shape read ``float(stored) * k_scale`` (``v_scale`` for V: the
+    layer's scales), or int8 [blocks, block_size, kv_heads, D + 4] whose rows carry their
+    own scales (``k_scale``/``v_scale`` unused); fp32, bf16 or fp16 queries. Each element
+    is dequantized to the fp32 value ``kv_quant.dequantize`` gives, so the result is the
+    op's on an fp32 cache holding those values. Requires ``load_cpu_ops()`` to have
+    returned True.
     """
     torch.ops.actorserve_cpu.paged_attention_rows(
-        out, query, key_cache, value_cache, block_table, rows, reqs, ctx_lens, scale
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        rows,
+        reqs,
+        ctx_lens,
+        scale,
+        k_scale,
+        v_scale,
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Token t's ``key``/``value`` rows ([T, kv_heads, D], fp32/bf16/fp16, last dim
+    contiguous) into cache slot ``slots[t]`` (int64; negative: skipped), quantized for an
+    fp8 (with the layer's ``k_scale``/``v_scale``) or int8 cache exactly as
+    ``kv_quant.write`` does, copied for a cache of their own dtype. Requires
+    ``load_cpu_ops()`` to have returned True."""
+    torch.ops.actorserve_cpu.write_kv_cache(
+        key, value, key_cache, value_cache, slots, k_scale, v_scale
     )
 
 
@@ -215,7 +255,10 @@ def quant_dequant_rows(
 
 def decode_layers(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.actorserve_cpu.decode_layers`` (see ``services/gpu_worker/model/llama.py``
-    and ``decode_layers.cpp``). Requires ``load_cpu_ops()`` to have returned True."""
+    and ``decode_layers.cpp``). The KV caches may be quantized (fp8 e4m3fn / e5m2, int8
+    rows, as ``kv_quant`` stores them; K/V written as ``kv_quant.write`` writes them); fp8
+    caches need two trailing lists, every layer's K and V scales (``k_scales``,
+    ``v_scales``: floats). Requires ``load_cpu_ops()`` to have returned True."""
     return torch.ops.actorserve_cpu.decode_layers(*args)  # type: ignore[no-any-return]
 
 

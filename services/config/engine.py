@@ -48,6 +48,8 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
 CPU_ACTIVATION_QUANTS = ("none", "int8")
 DEVICES = ("auto", "cpu", "cuda")
+# --kv-cache-dtype (vLLM's names; int8 is ours): how each is stored, actorserve_kernels/kv_quant.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass
@@ -111,7 +113,21 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=flag("KV cache blocks, instead of measuring the memory")
     )
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "KV cache storage: auto (the model's dtype); fp8 (= fp8_e4m3) or fp8_e5m2 with a "
+            "scale per layer; int8 with a scale per token and head (CPUs without fast fp8)",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
+    calculate_kv_scales: bool = field(
+        default=False,
+        metadata=flag(
+            "fp8 KV cache: measure each layer's K and V scales on the first prompt "
+            "(default: the checkpoint's, else 1.0)"
+        ),
+    )
     kv_cache_metrics: bool = field(
         default=False, metadata=flag("sample block lifetimes for the kv_block_* metrics")
     )
@@ -353,6 +369,12 @@ class EngineConfig:
         check_choice("--dtype", m.dtype, DTYPES)
         check_choice("--load-format", m.load_format, LOAD_FORMATS)
         check_choice("--device", w.device, DEVICES)
+        check_choice("--kv-cache-dtype", c.kv_cache_dtype, KV_CACHE_DTYPES)
+        if c.calculate_kv_scales and not c.kv_cache_dtype.startswith("fp8"):
+            raise ConfigError(
+                "--calculate-kv-scales measures the per-layer scales of an fp8 KV cache; "
+                f"--kv-cache-dtype {c.kv_cache_dtype} has none (int8 keeps a scale per token)"
+            )
         check_choice("--worker-backend", w.worker_backend, WORKER_BACKENDS)
         if w.attention_backend is not None:
             check_choice("--attention-backend", w.attention_backend, ATTENTION_BACKENDS)

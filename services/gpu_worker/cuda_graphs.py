@@ -124,6 +124,8 @@ class DecodeGraphs:
         self._outputs[size] = out
 
     def replay(self, size: int) -> torch.Tensor:
+        """The forward's output rows: valid until the next replay of any size (the graphs
+        share one memory pool), so read them within the step."""
         if not self.capture_graphs:
             return self._eager[size]()
         self._graphs[size].replay()

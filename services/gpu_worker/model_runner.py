@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from actorserve_kernels import kv_quant
 from services.config import DTYPES, EngineConfig, ModelArchConfig
 from services.gpu_worker import step_outputs
 from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attention_backend
@@ -50,6 +51,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, DTYPES[name])  # type: ignore[no-any-return]
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, backend: str, device: torch.device) -> None:
+    """--kv-cache-dtype combinations that cannot run, refused at start-up (the triton
+    backend's power-of-two head_dim already makes int8 rows whole fp32 words)."""
+    if backend != "triton" or kv_cache_dtype == "auto":
+        return
+    e4m3 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+    if e4m3 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ModelLoadError(
+            "--kv-cache-dtype fp8 (e4m3) needs a GPU of compute capability 8.9 or newer "
+            "(Ada, Hopper) for Triton's fp8 conversions; use fp8_e5m2 or int8"
+        )
 
 
 def _available_ram_bytes() -> int:
@@ -103,10 +117,6 @@ class ModelRunner(WorkerBackend):
                         "--dtype bfloat16 on a CPU without AVX512_BF16 or AMX: bf16 matrix "
                         "products are emulated there, slower than --dtype float32"
                     )
-        if config.cache.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not supported; use auto"
-            )
         if arch is None:
             if folder is None:
                 raise ValueError("ModelRunner needs a model folder or an arch config")
@@ -126,6 +136,7 @@ class ModelRunner(WorkerBackend):
             "triton" if self.device.type == "cuda" else "torch"
         )
         self.attn_backend = get_attention_backend(backend_name)
+        _check_kv_cache_dtype(config.cache.kv_cache_dtype, backend_name, self.device)
         if self.device.type == "cpu":
             from actorserve_kernels.cpu import load_cpu_ops
 
@@ -140,6 +151,7 @@ class ModelRunner(WorkerBackend):
                 parallel,
             )
         self.model = model.to(self.dtype).to_empty(device=self.device).eval()
+        self.model.reset_kv_scales()
         int8 = config.model.cpu_activation_quant == "int8"
         only_quantized = (
             "--cpu-activation-quant int8 applies to a GGUF model's quantized matrices "
@@ -176,6 +188,11 @@ class ModelRunner(WorkerBackend):
             self.device,
         )
         self.graphs: DecodeGraphs | None = None
+        # --kv-cache-dtype: how the cache stores K and V (actorserve_kernels/kv_quant.py)
+        self.kv_cache_dtype = config.cache.kv_cache_dtype
+        self.kv_storage_dtype = kv_quant.storage_dtype(self.kv_cache_dtype, self.dtype)
+        # --calculate-kv-scales: the first step with tokens measures them
+        self._measure_kv_scales = config.cache.calculate_kv_scales
 
     def _checkpoint(
         self, folder: Path, quantization: str
@@ -208,9 +225,8 @@ class ModelRunner(WorkerBackend):
     # ------------------------------------------------------------------ KV cache
 
     def kv_cache_bytes_per_block(self) -> int:
-        a = self.arch
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
+        row = kv_quant.row_bytes(self.kv_cache_dtype, self.arch.head_dim, self.dtype)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
     def determine_num_blocks(self) -> int:
         """KV cache blocks that fit the memory budget (``--num-gpu-blocks-override`` wins)."""
@@ -267,14 +283,16 @@ class ModelRunner(WorkerBackend):
         return int(total * self.config.cache.gpu_memory_utilization) - peak - non_torch
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        a = self.arch
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
+        if self.graphs is not None:
+            raise RuntimeError("the KV cache is reallocated after the CUDA graphs read it")
+        width = kv_quant.row_width(self.kv_cache_dtype, self.arch.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, width)
         self.kv_caches = []
         # On CPU, empty (fresh, untouched pages) so RAM is committed only as blocks fill;
         # backends never read a slot before it is written (see AttentionBackend).
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         for _ in range(self.num_layers):
-            kv = alloc(shape, dtype=self.dtype, device=self.device)
+            kv = alloc(shape, dtype=self.kv_storage_dtype, device=self.device)
             self.kv_caches.append((kv[0], kv[1]))
         self.num_blocks = num_blocks
 
@@ -287,26 +305,25 @@ class ModelRunner(WorkerBackend):
         here). ``record=False`` pads decode steps to the same sizes but runs them eagerly,
         on any device: the padding and bucketing without a GPU (tests), or eager against
         graphs on one."""
-        w = self.config.worker
+        w, sched = self.config.worker, self.config.scheduler
         why_not = None
+        if self.device.type != "cuda" and record:
+            return  # a CPU runs eagerly; nothing to say
         if not self.attn_backend.supports_cuda_graphs:
             why_not = f"the {self.attn_backend.name} attention backend does not support them"
-        elif not record:
-            pass
-        elif self.device.type != "cuda":
-            return  # a CPU runs eagerly; nothing to say
-        elif w.enforce_eager:
+        elif w.enforce_eager and record:
             why_not = "--enforce-eager"
         elif self.parallel.tp_size > 1 or self.parallel.pp_size > 1:
             why_not = "tensor or pipeline parallelism (graphs are captured for one rank)"
         if why_not is not None:
             logger.info("no CUDA graphs: %s; decode steps run eagerly", why_not)
             return
-        sizes = capture_sizes(
-            w.cuda_graph_sizes, w.max_cudagraph_capture_size, self.config.scheduler.max_num_seqs
-        )
+        # A decode step has as many tokens as requests: no size past the token budget.
+        most = min(sched.max_num_seqs, sched.max_num_batched_tokens or sched.max_num_seqs)
+        sizes = capture_sizes(w.cuda_graph_sizes, w.max_cudagraph_capture_size, most)
         if not sizes:
             return
+        self.buffers.reserve(sizes[-1], sizes[-1])  # before: the graphs read these buffers
         self.graphs = DecodeGraphs(sizes, capture=record, generation=self.buffers.generation)
         with torch.inference_mode():
             capture_all(self.graphs, self._capture_one, self.device)
@@ -337,7 +354,13 @@ class ModelRunner(WorkerBackend):
         """The captured size a step pads to: a decode-only step (one token a request) that
         fits one, while the buffers the graphs read are still the ones in use."""
         g = self.graphs
-        if g is None or g.generation != self.buffers.generation or scheduled.max() != 1:
+        if g is None or scheduled.max() != 1:
+            return None
+        if g.generation != self.buffers.generation:
+            # A step past --max-num-seqs / --max-num-batched-tokens grew the buffers (only a
+            # caller not bound by the scheduler's budget does that): graphs no more.
+            logger.warning("the step buffers grew: CUDA graphs dropped, decode runs eagerly")
+            self.graphs = None
             return None
         return g.padded_size(len(scheduled))
 
@@ -347,7 +370,7 @@ class ModelRunner(WorkerBackend):
             block_size=self.block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.arch.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.kv_storage_dtype).removeprefix("torch."),
         )
         return self.kv_caches, layout
 
@@ -378,7 +401,8 @@ class ModelRunner(WorkerBackend):
         if (scheduled < 1).any() or (computed + scheduled > known).any():
             raise ValueError(f"step {plan.step_id}: scheduled tokens past a request's known tokens")
         sampling = np.flatnonzero(computed + scheduled == known)
-        graph_size = self._graph_size(scheduled)
+        measure, self._measure_kv_scales = self._measure_kv_scales, False
+        graph_size = None if measure else self._graph_size(scheduled)
         inputs = self.buffers.prepare(
             rows,
             computed,
@@ -390,6 +414,7 @@ class ModelRunner(WorkerBackend):
             pad_to=graph_size,
             max_seq_len=None if graph_size is None else self.max_model_len,
         )
+        inputs.attn_meta.compute_kv_scales = measure
         for s, n in zip(states, scheduled, strict=True):
             s.num_computed_tokens += int(n)
         sample_states = [states[i] for i in sampling]

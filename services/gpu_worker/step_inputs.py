@@ -85,6 +85,7 @@ class StepBuffers:
         self.logits_indices = HostDeviceBuffer((max_num_reqs,), torch.int64, dev)
         # The last step's copies: the host arrays are not rewritten before they are done.
         self._copied: torch.cuda.Event | None = None
+        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def reserve(self, num_reqs: int, num_tokens: int) -> None:
         if num_reqs <= self.max_num_reqs and num_tokens <= self.max_num_tokens:
@@ -177,7 +178,7 @@ class StepBuffers:
             token_req=token_req,
             positions_np=positions,
         )
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        if self._event is not None:
+            self._event.record()
+            self._copied = self._event
         return inputs

@@ -20,9 +20,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from services.config.kv_transfer import KVTransferConfig
+from services.flags import ConfigError
 from services.protocol import KVLayout, KVTransferDone
 from services.registry import KV_CONNECTORS, resolve
 
@@ -48,9 +49,19 @@ class KVConnectorScheduler(ABC):
     """``kv_block_bytes``: one KV block's bytes summed over the engine's worker ranks (what
     a connector that stores blocks sizes its store by)."""
 
+    # Blocks reach other servers (p2p pulls, a shared storage directory): their fp8 KV
+    # scales must then be the same everywhere, so never measured per server.
+    moves_blocks_between_servers: ClassVar[bool] = True
+
     def __init__(
         self, config: KVTransferConfig, engine: EngineConfig, kv_block_bytes: int = 0
     ) -> None:
+        if engine.cache.calculate_kv_scales and self.moves_blocks_between_servers:
+            raise ConfigError(
+                f"--calculate-kv-scales with the {config.kv_connector} KV connector: each "
+                "server would measure its own fp8 scales and read the others' blocks with "
+                "the wrong ones; use the checkpoint's scales (or 1.0)"
+            )
         self.config = config
         self.kv_block_bytes = kv_block_bytes
         self.enable_kv_cache_events = False  # whether take_events is called (the scheduler's)

@@ -226,13 +226,17 @@ class BlockStoreWorker(KVConnectorWorker):
         """The cache blocks, ``[layers, 2, len(block_ids), block_size, heads, head_dim]``."""
         import torch
 
-        ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
+        from actorserve_kernels.kv_quant import as_bytes
+
+        k0 = self.kv_caches[0][0]
+        ids = torch.tensor(block_ids, device=k0.device)
+        # As bytes, then as the cache's dtype: a quantized cache's blocks move as stored.
         return torch.stack(
             [
-                torch.stack((k.index_select(0, ids), v.index_select(0, ids)))
+                torch.stack((as_bytes(k).index_select(0, ids), as_bytes(v).index_select(0, ids)))
                 for k, v in self.kv_caches
             ]
-        )
+        ).view(k0.dtype)
 
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write ``[layers, 2, n, ...]`` into the cache blocks ``block_ids``."""
@@ -240,10 +244,12 @@ class BlockStoreWorker(KVConnectorWorker):
 
         device = self.kv_caches[0][0].device
         ids = torch.tensor(block_ids, device=device)
-        blocks = blocks.to(device=device, dtype=self.kv_caches[0][0].dtype)
+        from actorserve_kernels.kv_quant import as_bytes
+
+        blocks = as_bytes(blocks.to(device=device, dtype=self.kv_caches[0][0].dtype))
         for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, ids, blocks[layer, 0])
-            v.index_copy_(0, ids, blocks[layer, 1])
+            as_bytes(k).index_copy_(0, ids, blocks[layer, 0])
+            as_bytes(v).index_copy_(0, ids, blocks[layer, 1])
 
     def put(self, key: Key, block: torch.Tensor) -> None:
         """Keep one block (``[layers, 2, block_size, heads, head_dim]``, a view: copy it)."""

@@ -64,6 +64,8 @@ def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
 
 
 class MultiConnectorScheduler(KVConnectorScheduler):
+    moves_blocks_between_servers = False  # its connectors say
+
     def __init__(
         self, config: KVTransferConfig, engine: EngineConfig, kv_block_bytes: int = 0
     ) -> None:

@@ -62,6 +62,8 @@ def slot_bytes(kv_block_bytes: int, dtype: str, engine: EngineConfig) -> int:
 
 
 class OffloadConnectorScheduler(BlockStoreScheduler):
+    moves_blocks_between_servers = False  # one server's host memory
+
     def __init__(
         self, config: KVTransferConfig, engine: EngineConfig, kv_block_bytes: int = 0
     ) -> None:
@@ -74,6 +76,12 @@ class OffloadConnectorScheduler(BlockStoreScheduler):
         size = config.extra("kv_offload_bytes", 0.0)
         if kv_block_bytes <= 0:
             raise ConfigError("--kv-offload-bytes: this worker backend holds no KV cache")
+        if _offload_dtype(config) == "int8" and engine.cache.kv_cache_dtype != "auto":
+            raise ConfigError(
+                "kv_offload_dtype int8 quantizes a float KV cache's blocks for the host tier; "
+                f"with --kv-cache-dtype {engine.cache.kv_cache_dtype} they are stored as the "
+                "cache holds them (leave kv_offload_dtype auto)"
+            )
         per_slot = slot_bytes(kv_block_bytes, _offload_dtype(config), engine)
         self.capacity = int(size // per_slot)
         if self.capacity < 1:

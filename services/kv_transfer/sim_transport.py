@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from services.kv_transfer.transport import KVTransport, PullFailed
 from services.kv_transfer.zmq_transport import receive_layers
-from services.model_arch import DTYPE_BYTES
+from services.model_arch import DTYPE_BYTES, kv_row_bytes
 from services.protocol import KVLayout, KVPull, KVPullLayer, P2PLoad
 
 if TYPE_CHECKING:
@@ -41,8 +41,10 @@ class SimTransport(KVTransport):
             pass  # no data: the exchange and its checks only
         if cancelled():
             raise PullFailed("aborted")
-        element = DTYPE_BYTES[layout.dtype.removeprefix("sim-")]
-        num_bytes = (2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * element
+        # "sim-<dtype>-kv-<kv cache dtype>", as the sim worker names its layout
+        dtype, _, kv_dtype = layout.dtype.removeprefix("sim-").partition("-kv-")
+        row = kv_row_bytes(kv_dtype or "auto", layout.head_dim, DTYPE_BYTES[dtype])
+        num_bytes = (2 * layout.num_layers * layout.num_kv_heads * row
                      * layout.block_size * len(load.block_ids))  # fmt: skip
         bandwidth, latency, speed = self.link
         # The modelled time from the start (the exchange above is part of it, as the

@@ -5,7 +5,7 @@ Every block that enters the prefix cache is written (write-through), one safeten
 file per block and worker rank: ``PATH/<namespace>/rank<r>/<block hash>.safetensors``,
 tensor ``kv`` ``[layers, 2 (K, V), block_size, heads, head_dim]``, the rank's KV layout
 in the file's metadata. The namespace is a digest of what makes a block's content
-(model, dtype, block size, parallel layout, prefix hash algorithm and seed), so servers
+(model, dtype, KV cache dtype, block size, parallel layout, prefix hash algorithm and seed), so servers
 of another model or layout never read these blocks. A file is written under a temporary
 name and renamed, so a crash leaves no half block; one that does not read (gone,
 truncated, another layout) fails its load and the request recomputes.
@@ -73,6 +73,9 @@ def store_dir(config: KVTransferConfig, engine: EngineConfig) -> Path:
         "hash": engine.cache.prefix_caching_hash_algo,
         "hash_seed": os.environ.get("PYTHONHASHSEED"),
     }
+    kv_dtype = engine.cache.kv_cache_dtype
+    if kv_dtype != "auto":  # (absent for auto: the namespaces of stores made before it)
+        identity["kv_cache_dtype"] = "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return Path(path).expanduser() / digest
 

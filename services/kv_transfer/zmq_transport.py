@@ -39,12 +39,14 @@ class ZmqTransport(KVTransport):
     def serve(self, reply: Reply, pull: KVPull) -> None:
         import torch
 
+        from actorserve_kernels.kv_quant import as_bytes
+
         index = torch.tensor(pull.block_ids, dtype=torch.long, device=self.kv_caches[0][0].device)
         pending: list[Any] = []
         first, size, last = 0, 0, len(self.kv_caches) - 1
         for layer, (k, v) in enumerate(self.kv_caches):
             for cache in (k, v):  # a GPU cache is staged through host memory
-                data = cache.index_select(0, index).cpu().view(torch.uint8).numpy()
+                data = as_bytes(cache).index_select(0, index).cpu().view(torch.uint8).numpy()
                 pending.append(data)
                 size += data.nbytes
             if size >= MESSAGE_BYTES or layer == last:
@@ -53,6 +55,8 @@ class ZmqTransport(KVTransport):
 
     def pull(self, channel: PullChannel, load: P2PLoad, cancelled: Callable[[], bool]) -> int:
         import torch
+
+        from actorserve_kernels.kv_quant import as_bytes
 
         device = self.kv_caches[0][0].device
         index = torch.tensor(load.block_ids, dtype=torch.long, device=device)
@@ -68,6 +72,7 @@ class ZmqTransport(KVTransport):
                     raise PullFailed(
                         f"layer {layer}: {len(frame.buffer)} bytes, expected {expected}"
                     )
+                cache = as_bytes(cache)  # a quantized cache's blocks move as stored
                 data = _read_only_tensor(frame.buffer, cache.dtype).view(shape)
                 cache.index_copy_(0, index, data.to(device))  # reads it only
                 num_bytes += expected

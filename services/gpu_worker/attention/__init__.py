@@ -6,6 +6,7 @@ from services.gpu_worker.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     KVCache,
+    KVScales,
     MetadataBuilder,
 )
 from services.registry import ATTENTION_BACKENDS, load_backend
@@ -14,6 +15,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVCache",
+    "KVScales",
     "MetadataBuilder",
     "ATTENTION_BACKENDS",
     "get_attention_backend",

@@ -15,8 +15,11 @@ from typing import Any, ClassVar
 
 import torch
 
-# One layer's cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+# One layer's cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+# (or quantized, as actorserve_kernels/kv_quant.py stores it: --kv-cache-dtype).
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# One layer's fp8 KV cache scales: (k_scale, v_scale), fp32 tensors of shape [1].
+KVScales = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -45,6 +48,8 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     backend_state: dict[str, Any] = field(default_factory=dict)
+    # --calculate-kv-scales: this step's K/V set each layer's fp8 scales (the first prompt's)
+    compute_kv_scales: bool = False
 
     @property
     def num_reqs(self) -> int:
@@ -91,7 +96,9 @@ class AttentionBackend(ABC):
          reads KV head ``h // (num_heads // num_kv_heads)``).
     Shapes: ``query`` [T, num_heads, head_dim], ``key``/``value`` [T, num_kv_heads,
     head_dim]; returns [T, num_heads, head_dim] in the query's dtype. Output rows of
-    padding tokens are unspecified.
+    padding tokens are unspecified. A quantized cache (``--kv-cache-dtype``; its format is
+    ``actorserve_kernels/kv_quant.py``) is written quantized and read dequantized, an fp8
+    one with the layer's ``kv_scales``.
     """
 
     name: ClassVar[str]
@@ -121,6 +128,7 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor: ...
 
     def forward_rotary(
@@ -130,6 +138,7 @@ class AttentionBackend(ABC):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         attn_meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """``forward`` of q and k not yet rotated, stacked in ``qk`` [T, num_heads +
         num_kv_heads, head_dim] (rotated in place); ``cos_sin`` as ``RotaryEmbedding.cos_sin``

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from actorserve_kernels import kv_quant
 from services.gpu_worker.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     KVCache,
+    KVScales,
     MetadataBuilder,
 )
 
@@ -38,18 +40,31 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     write: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """Write each token's K/V to its cache slot; tokens with slot -1 (padding) are skipped.
+    A quantized cache gets them quantized (``kv_quant``; fp8 with ``kv_scales``).
 
     ``write`` is ``_write_indices(slot_mapping)``, passed when it was computed once per step.
     """
     rows, slots = write if write is not None else _write_indices(slot_mapping)
-    num_kv_heads, head_dim = key_cache.shape[2:]
     if rows is not None:
         key, value = key.index_select(0, rows), value.index_select(0, rows)
     else:
         n = slots.shape[0]
         key, value = key[:n], value[:n]
+    if kv_quant.kind(key_cache) != "auto":
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        if key_cache.device.type == "cpu" and _cpu_ops_loaded():
+            from actorserve_kernels.cpu import write_kv_cache  # the same bytes, in one pass
+
+            fp8 = {} if k_scale is None else {"k_scale": float(k_scale)}
+            fp8 |= {} if v_scale is None else {"v_scale": float(v_scale)}
+            write_kv_cache(key, value, key_cache, value_cache, slots, **fp8)
+        else:
+            kv_quant.write(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+        return
+    num_kv_heads, head_dim = key_cache.shape[2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
@@ -171,6 +186,12 @@ def _plan(meta: AttentionMetadata, block_size: int, use_kernel: bool) -> _Plan:
     return _Plan(write, None, groups)
 
 
+def _cpu_ops_loaded() -> bool:
+    from actorserve_kernels.cpu import load_cpu_ops
+
+    return load_cpu_ops()
+
+
 def _kernel_available(device: torch.device, head_dim: int) -> bool:
     """Whether decode rows go to the C++ op: on CPU, for its head dims, when it builds."""
     if device.type != "cpu" or head_dim not in _KERNEL_HEAD_DIMS:
@@ -227,6 +248,7 @@ class TorchAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         plan = attn_meta.backend_state.get(self.name)
@@ -235,7 +257,7 @@ class TorchAttentionBackend(AttentionBackend):
             # with the C++ op turned off on this backend (tests): plan for this call alone.
             plan = _plan(attn_meta, key_cache.shape[1], self._use_kernel(query))
         reshape_and_cache(
-            key, value, key_cache, value_cache, attn_meta.slot_mapping, write=plan.write
+            key, value, key_cache, value_cache, attn_meta.slot_mapping, plan.write, kv_scales
         )
         groups = plan.groups
         out = None if len(groups) == 1 and groups[0].token_idx is None else torch.zeros_like(query)
@@ -244,9 +266,12 @@ class TorchAttentionBackend(AttentionBackend):
 
             assert out is not None
             d = plan.decode
+            fp8_scales = {}
+            if kv_scales is not None and kv_quant.kind(key_cache) == "fp8":
+                fp8_scales = {"k_scale": float(kv_scales[0]), "v_scale": float(kv_scales[1])}
             paged_attention_rows(
                 out, query, key_cache, value_cache, attn_meta.block_table,
-                d.rows, d.reqs, d.ctx_lens, self.scale,
+                d.rows, d.reqs, d.ctx_lens, self.scale, **fp8_scales,
             )  # fmt: skip
             if not groups:  # every token was a decode row
                 return out
@@ -261,8 +286,9 @@ class TorchAttentionBackend(AttentionBackend):
                 if g.buffers is None:
                     shape = (g.blocks.shape[0], *key_cache.shape[1:])
                     g.buffers = (key_cache.new_empty(shape), key_cache.new_empty(shape))
-                k = self._gather(key_cache, g, g.buffers[0])
-                v = self._gather(value_cache, g, g.buffers[1])
+                scales = kv_scales if kv_scales is not None else (None, None)
+                k = self._gather(key_cache, g, g.buffers[0], scales[0], query.dtype)
+                v = self._gather(value_cache, g, g.buffers[1], scales[1], query.dtype)
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2),
                 k.transpose(1, 2),
@@ -296,9 +322,19 @@ class TorchAttentionBackend(AttentionBackend):
         padded[g.req_of_token, g.pos_in_req] = x
         return padded
 
-    def _gather(self, cache: torch.Tensor, g: _Group, out: torch.Tensor) -> torch.Tensor:
-        """[Bg, nb * block_size, kv_heads, D]: each request's context, zero past its end."""
-        torch.index_select(cache, 0, g.blocks, out=out)
+    def _gather(
+        self,
+        cache: torch.Tensor,
+        g: _Group,
+        out: torch.Tensor,
+        fp8_scale: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """[Bg, nb * block_size, kv_heads, D]: each request's context, zero past its end;
+        a quantized cache's dequantized to ``dtype``."""
+        torch.index_select(kv_quant.as_bytes(cache), 0, g.blocks, out=kv_quant.as_bytes(out))
+        if kv_quant.kind(cache) != "auto":
+            out = kv_quant.dequantize(out, fp8_scale, dtype)
         rows = out.view(-1, self.num_kv_heads, self.head_dim)
         if g.stale_rows is not None:
             rows.index_fill_(0, g.stale_rows, 0)

@@ -23,6 +23,7 @@ from services.gpu_worker.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     KVCache,
+    KVScales,
     MetadataBuilder,
 )
 
@@ -103,13 +104,16 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         num_slots = attn_meta.slot_mapping.shape[0]
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         reshape_and_cache(
-            key[:num_slots], value[:num_slots], key_cache, value_cache, attn_meta.slot_mapping
-        )
-        return self._attend(query, kv_cache, attn_meta)
+            key[:num_slots], value[:num_slots], key_cache, value_cache, attn_meta.slot_mapping,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        return self._attend(query, kv_cache, attn_meta, kv_scales)
 
     def forward_rotary(
         self,
@@ -118,18 +122,26 @@ class TritonAttentionBackend(AttentionBackend):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         attn_meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         cos, sin = cos_sin
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         rotary_and_cache(
-            qk, value, cos, sin, self.num_heads, key_cache, value_cache, attn_meta.slot_mapping
-        )
-        return self._attend(qk[:, : self.num_heads], kv_cache, attn_meta)
+            qk, value, cos, sin, self.num_heads, key_cache, value_cache, attn_meta.slot_mapping,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        return self._attend(qk[:, : self.num_heads], kv_cache, attn_meta, kv_scales)
 
     def _attend(
-        self, query: torch.Tensor, kv_cache: KVCache, attn_meta: AttentionMetadata
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        attn_meta: AttentionMetadata,
+        kv_scales: KVScales | None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         plan: _TritonPlan | None = attn_meta.backend_state.get(self.name)
         return paged_attention(
             query,
@@ -143,4 +155,6 @@ class TritonAttentionBackend(AttentionBackend):
             scale=self.scale,
             num_splits=None if plan is None else plan.num_splits,
             split_buffer=None if plan is None else plan.split_buffer,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

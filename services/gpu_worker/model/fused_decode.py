@@ -83,13 +83,19 @@ def fused_decode_layers(
     kv_caches: list[KVCache],
     meta: AttentionMetadata,
     fused: FusedDecodeWeights,
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer of a decode-only step through ``decode_layers``: (hidden, residual)."""
+    """Every layer of a decode-only step through ``decode_layers``: (hidden, residual).
+    ``kv_scales``: each layer's fp8 KV cache scales (read for an fp8 cache only)."""
     from actorserve_kernels.cpu import decode_layers
+    from actorserve_kernels.kv_quant import kind
 
+    fp8 = kind(kv_caches[0][0]) == "fp8"
+    k_scales = [float(k) for k, _ in kv_scales] if fp8 else []
+    v_scales = [float(v) for _, v in kv_scales] if fp8 else []
     return decode_layers(
         hidden.contiguous(), fused.weights, fused.types, fused.dims,
         [k for k, _ in kv_caches], [v for _, v in kv_caches],
         meta.block_table, meta.slot_mapping, meta.seq_lens_cpu.long(), cos_sin[0], cos_sin[1],
-        fused.num_heads, fused.num_kv_heads, fused.eps, fused.scale,
+        fused.num_heads, fused.num_kv_heads, fused.eps, fused.scale, k_scales, v_scales,
     )  # fmt: skip

@@ -65,6 +65,9 @@ _STACKED_PARAMS = (
 
 
 class LlamaAttention(nn.Module):
+    k_scale: torch.Tensor  # buffers: [1] fp32
+    v_scale: torch.Tensor
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -89,6 +92,11 @@ class LlamaAttention(nn.Module):
         self.attn = attn_backend(
             self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5
         )
+        # An fp8 KV cache's scales (--kv-cache-dtype fp8): the checkpoint's, measured on the
+        # first prompt (--calculate-kv-scales), else 1.0 (``LlamaForCausalLM.load_weights``
+        # sets them; ``reset_kv_scales`` after the model is materialised).
+        self.register_buffer("k_scale", torch.ones(1), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1), persistent=False)
 
     def shard_range(self, shard: str) -> tuple[int, int]:
         """(offset, size) of the q, k or v rows inside ``qkv_proj``."""
@@ -109,13 +117,27 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        if attn_meta.compute_kv_scales:
+            self._measure_kv_scales(qk[:, self.num_heads :], v)
+        scales = (self.k_scale, self.v_scale)
         if self.attn.fuses_rotary:
-            out = self.attn.forward_rotary(qk, v, cos_sin, kv_cache, attn_meta)
+            out = self.attn.forward_rotary(qk, v, cos_sin, kv_cache, attn_meta, scales)
         else:
             qk = self.rotary_emb(qk, *cos_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            out = self.attn.forward(q, k, v, kv_cache, attn_meta)
+            out = self.attn.forward(q, k, v, kv_cache, attn_meta, scales)
         return self.parallel.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+
+    def _measure_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """vLLM's --calculate-kv-scales: absmax / 200 for K, / 100 for V (headroom under
+        e4m3's 448). K is measured before rotary, the same in every backend (a rotation
+        grows an element by at most sqrt(2), well inside that headroom)."""
+        self.k_scale.copy_((k.abs().amax().float() / K_SCALE_RANGE).clamp_min(1e-12))
+        self.v_scale.copy_((v.abs().amax().float() / V_SCALE_RANGE).clamp_min(1e-12))
+
+
+# vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: the absmax a measured fp8 scale maps to.
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
 
 class LlamaMLP(nn.Module):
@@ -210,7 +232,11 @@ class LlamaModel(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         fused = self._fused_decode_args(hidden, attn_meta) if intermediate is None else None
         if fused is not None:
-            hidden, residual = fused_decode_layers(hidden, cos_sin, kv_caches, attn_meta, fused)
+            attns = [m for m in self.modules() if isinstance(m, LlamaAttention)]
+            scales = [(a.k_scale, a.v_scale) for a in attns]
+            hidden, residual = fused_decode_layers(
+                hidden, cos_sin, kv_caches, attn_meta, fused, scales
+            )
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden, residual = layer(cos_sin, hidden, residual, kv_cache, attn_meta)
@@ -316,6 +342,8 @@ class LlamaForCausalLM(nn.Module):
             if not self._on_this_stage(hf_name):
                 continue
             hf_name = self._local_layer_name(hf_name)
+            if self._load_kv_scale(hf_name, checkpoint_tensor):
+                continue
             name, shard = hf_name, None
             for fused, part, shard_id in _STACKED_PARAMS:
                 if f".{part}." in hf_name:
@@ -354,6 +382,26 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def reset_kv_scales(self) -> None:
+        """Every layer's fp8 KV scales to 1.0 (after the model is materialised: the buffers
+        are uninitialised then), before ``load_weights`` may read the checkpoint's."""
+        for module in self.modules():
+            if isinstance(module, LlamaAttention):
+                module.k_scale.fill_(1.0)
+                module.v_scale.fill_(1.0)
+
+    def _load_kv_scale(self, hf_name: str, tensor: CheckpointTensor) -> bool:
+        """A checkpoint's fp8 KV scale (``...self_attn.k_scale``, or as quantization tools
+        name it, ``...self_attn.k_proj.k_scale``): into the layer's buffer; True if it was one."""
+        for which in ("k_scale", "v_scale"):
+            for suffix in (f".self_attn.{which}", f".self_attn.{which[0]}_proj.{which}"):
+                if hf_name.endswith(suffix):
+                    assert isinstance(tensor, torch.Tensor)
+                    attn = self.get_submodule(hf_name.removesuffix(suffix) + ".self_attn")
+                    getattr(attn, which).copy_(tensor.float().reshape(1))
+                    return True
+        return False
 
     def int8_linears(self) -> int:
         """How many linears were packed for int8 activations."""

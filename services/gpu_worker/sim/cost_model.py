@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from services.flags import ConfigError
-from services.model_arch import DTYPE_BYTES, ModelArchConfig
+from services.model_arch import DTYPE_BYTES, ModelArchConfig, kv_row_bytes
 
 HARDWARE_DIR = Path(__file__).parent / "hardware"
 _TORCH_DTYPES = {
@@ -146,11 +146,16 @@ class StepCostModel:
         dtype: str = "bf16",
         tensor_parallel_size: int = 1,
         stage_layers: Sequence[int] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.arch = arch
         self.hw = hardware
         self.dtype = dtype
         self.bytes = DTYPE_BYTES[dtype]
+        # --kv-cache-dtype: bytes of one (token, head) K or V row (fp8 one a value, int8 one
+        # a value and a 4-byte scale a row: actorserve_kernels/kv_quant.py)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_row_bytes = kv_row_bytes(kv_cache_dtype, arch.head_dim, self.bytes)
         self.peak = hardware.flops(dtype) * hardware.compute_efficiency
         self.bandwidth = hardware.memory_bandwidth * hardware.bandwidth_efficiency
         self.tp = tensor_parallel_size
@@ -188,10 +193,9 @@ class StepCostModel:
             total += table
         return total
 
-    def kv_bytes_per_token(self, stage: int, kv_dtype_bytes: int | None = None) -> int:
+    def kv_bytes_per_token(self, stage: int) -> int:
         """The KV cache one token takes on one rank of ``stage``."""
-        b = kv_dtype_bytes or self.bytes
-        return 2 * self.stage_layers[stage] * self.kv_heads * self.arch.head_dim * b
+        return 2 * self.stage_layers[stage] * self.kv_heads * self.kv_row_bytes
 
     # ---- time
 
@@ -218,7 +222,8 @@ class StepCostModel:
             attended = q * c + q * (q + 1) // 2  # causal inside the new tokens
             flops += 4 * self.q_heads * d * attended
             kv_tokens = c + q  # read the context, write (then read) the new tokens
-            nbytes += (2 * self.kv_heads * kv_tokens + 2 * self.q_heads * q) * d * self.bytes
+            nbytes += 2 * self.kv_heads * kv_tokens * self.kv_row_bytes
+            nbytes += 2 * self.q_heads * q * d * self.bytes
         return max(nbytes / self.bandwidth, flops / (self.peak * self.hw.attention_efficiency))
 
     def all_reduce_time(self, num_tokens: int) -> float:

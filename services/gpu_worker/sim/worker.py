@@ -183,11 +183,8 @@ class SimWorker(WorkerBackend):
             sim_dtype(dtype),
             config.parallel.tensor_parallel_size,
             [end - start for start, end in stages],
+            config.cache.kv_cache_dtype,
         )
-        if config.cache.kv_cache_dtype != "auto":
-            raise ConfigError(
-                f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not supported; use auto"
-            )
         self.speed = w.sim_speed
         self.lengths = OutputLengths(w.sim_eos) if w.sim_eos else None
         self.high = min(self.arch.vocab_size, 32_000)  # inside any tokenizer the model may use
@@ -309,7 +306,7 @@ class SimWorker(WorkerBackend):
             block_size=self.config.cache.block_size,
             num_kv_heads=self.cost.kv_heads,
             head_dim=a.head_dim,
-            dtype=f"sim-{self.cost.dtype}",
+            dtype=f"sim-{self.cost.dtype}-kv-{self.cost.kv_cache_dtype}",
         )
         return [], layout
 
