@@ -32,6 +32,7 @@ from triton.runtime.jit import JITFunction
 
 import actorserve_kernels.attention as attention
 import actorserve_kernels.fused as fused
+import actorserve_kernels.fused_moe_triton as fused_moe_triton
 import actorserve_kernels.kv_cache as kv_cache
 from actorserve_kernels import kv_quant
 
@@ -80,6 +81,8 @@ def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
         (fused, "_rms_norm_kernel"),
         (fused, "_silu_and_mul_kernel"),
         (fused, "_rotary_and_cache_kernel"),
+        (fused_moe_triton, "_moe_align_kernel"),
+        (fused_moe_triton, "_fused_moe_kernel"),
     ]
     captures = [(mod, name, _Capture(getattr(mod, name))) for mod, name in kernels]
     for mod, name, cap in captures:
@@ -142,6 +145,26 @@ def _launch_variants() -> list[tuple[str, Any, tuple, dict]]:
             cos = torch.empty(sum(q_lens), 1, d, dtype=dtype)
             fused.rotary_and_cache(qkv[:, : hq + hkv], qkv[:, hq + hkv :], cos, cos, hq,
                                    cache, cache, slots, scale, scale)  # fmt: skip
+        # Fused MoE: the alignment kernel (small batches) and both GEMMs (TOP_K gather;
+        # MUL_ROUTED_WEIGHT) of each block config. (dtype, tokens, top_k, experts): decode
+        # and prefill, Qwen3-MoE's k 8 of 128 experts and Mixtral's 2 of 8 (sizes small:
+        # only dtypes and constexprs matter; int32 ids for Mixtral's).
+        for dtype, tokens, top_k, experts in [
+            (torch.bfloat16, 4, 8, 128),
+            (torch.bfloat16, 4, 8, 256),  # DeepSeek-V3's 8 of 256
+            (torch.bfloat16, 1024, 8, 128),
+            (torch.bfloat16, 2, 2, 8),
+            (torch.float16, 256, 2, 8),
+            (torch.float32, 2, 2, 8),
+            (torch.float32, 256, 2, 8),
+        ]:
+            hidden, inter = 256, 96
+            x = torch.empty(tokens, hidden, dtype=dtype)
+            w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+            w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+            ids = torch.arange(tokens * top_k).reshape(tokens, top_k) % experts
+            ids = ids.int() if experts == 8 else ids
+            fused_moe_triton.fused_moe(x, w13, w2, torch.ones(tokens, top_k), ids)
     finally:
         for mod, name, cap in captures:
             setattr(mod, name, cap.fn)

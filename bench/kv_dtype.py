@@ -4,18 +4,18 @@ and speed, on the default model (a GGUF on CPU) with ``--dtype float32`` and ``b
     .venv/bin/python -m bench.kv_dtype accuracy [--dtypes float32 bfloat16] [--kv auto fp8 ...]
     .venv/bin/python -m bench.kv_dtype capacity [--kv-cache-memory-bytes 1GiB]
     .venv/bin/python -m bench.kv_dtype w1 [--kv-cache-memory-bytes 150MiB] [--rounds 2]
-    .venv/bin/python -m bench.kv_dtype decode [--contexts 4096 8191] [--batches 1 8]
+    .venv/bin/python -m bench.kv_dtype decode [--contexts 4096 8160] [--batches 1 8]
 
 KV variants (``--kv``): ``auto`` (the model's dtype), ``fp8`` (e4m3, per-layer scales 1.0: the
 GGUF carries none), ``fp8+scales`` (``--calculate-kv-scales``: measured on the first step),
 ``fp8_e5m2``, ``int8`` (a scale per token and KV head).
 
 - ``accuracy``: per model dtype and KV variant, ``bench.perplexity``'s scoring (windows of
-  ``--window`` tokens of GPL-3) with ``--max-num-batched-tokens`` ``--chunk`` (64): a window
+  ``--window`` tokens of GPL-3) with ``--max-num-batched-tokens`` ``--chunk`` (128): a window
   scored in one step attends over its own fresh K/V and never reads the cache, so each is
   split into chunks and every chunk after the first reads the earlier ones (and its own K/V)
-  back from the cache; two control rows score ``auto`` and ``fp8`` in whole windows (the
-  same perplexity: nothing reads the cache there).
+  back from the cache; two control rows (first model dtype) score ``auto`` and ``fp8`` in
+  whole windows (the same perplexity: nothing reads the cache there).
   Then greedy agreement with the same model dtype's ``auto``: ``bench.perplexity``'s short
   prompts (48 tokens each: decode reads the cache) and a long-prompt set (``long_prompts``:
   ``--long-prompts`` prompts of ``--long-len`` tokens cut from local texts, prefilled in the
@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -186,7 +187,7 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             _log(f"  perplexity {row['perplexity']:.4f} ({row['seconds']:.0f} s)")
-        if args.control:
+        if args.control and dtype == args.dtypes[0]:
             for kv in ("auto", "fp8"):
                 _log(f"{dtype} kv={kv}, whole windows (control: the cache is never read)")
                 row = perplexity.run_config(config, pargs, text, {**KV_VARIANTS[kv], **_load(args)})
@@ -297,6 +298,7 @@ def run_w1(args: argparse.Namespace) -> dict[str, Any]:
                 cmd += ["--load-format", args.load_format]
             if kv != "auto":
                 cmd += ["--kv-cache-dtype", kv]
+            cmd += shlex.split(args.server_args)
             _log(f"W1 {kv} (run {i + 1}/{len(order)})")
             proc = _Process(cmd, name=f"kv-{kv}")
             try:
@@ -333,7 +335,7 @@ def run_w1(args: argparse.Namespace) -> dict[str, Any]:
             _log(f"  {r['output_throughput']:.1f} tok/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, "
                  f"TPOT p50 {r['median_tpot_ms']:.1f} ms, preemptions {r['preemptions']}; "
                  f"{'; '.join(startup)}")  # fmt: skip
-    return {"part": "w1", "workload": [*COMMON, *workload],
+    return {"part": "w1", "workload": [*COMMON, *workload], "server_args": args.server_args,
             "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
             "max_model_len": args.max_model_len, "order": order, "rows": rows}  # fmt: skip
 
@@ -376,19 +378,22 @@ def time_decode(runner: Any, batch: int, ctx: int, steps: int, warmup: int) -> d
                       greedy, list(range(i * per_req, (i + 1) * per_req)), ctx)
            for i, r in enumerate(ids)]  # fmt: skip
     step_id = 0
-    times = []
+    times, cpu = [], []
     for k in range(warmup + steps + 1):
         plan = (StepPlan(step_id, new_requests=new, num_scheduled_tokens=[1] * batch) if k == 0
                 else StepPlan(step_id, running=[RunningRequestDelta(r, [], ctx + k) for r in ids],
                               num_scheduled_tokens=[1] * batch))  # fmt: skip
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         runner.execute(plan)
         if k > warmup:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         step_id += 1
     runner.execute(StepPlan(step_id, finished_req_ids=ids))
+    # process CPU time beside wall time: on a shared machine it is the steadier of the two
+    # with one thread (it still grows when others load the memory bus)
     return {"step_ms": float(np.median(times)) * 1e3, "min_ms": float(np.min(times)) * 1e3,
-            "steps": len(times)}  # fmt: skip
+            "cpu_ms": float(np.median(cpu)) * 1e3, "steps": len(times)}  # fmt: skip
 
 
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
@@ -404,12 +409,13 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     for dtype in args.dtypes:
         for kv in args.decode_kv:
             extra = {} if kv == "auto" else {"kv_cache_dtype": kv}
-            config = EngineConfig.from_kwargs(dtype=dtype, max_model_len=max(args.contexts) + 64,
-                                              **extra, **_load(args))  # fmt: skip
-            config.finalize(arch)
+            config = EngineConfig.from_kwargs(dtype=dtype, **extra, **_load(args))
+            config.finalize(arch)  # max_model_len: the model's (8,192 for the default)
+            span = max(args.contexts) + args.steps + args.warmup + 2
+            if span > config.scheduler.resolved_max_model_len:
+                raise SystemExit(f"--contexts: {span} tokens is past the model's length")
             runner = ModelRunner(config, folder)
             bs = runner.block_size
-            span = max(args.contexts) + args.steps + args.warmup + 2
             blocks = max(args.batches) * -(-span // bs)
             runner.initialize_kv_cache(blocks)
             how = fill_quantized(runner, blocks)
@@ -422,7 +428,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
                                  **t, "kv_mb_read": kv_mb,
                                  "kv_gb_s": kv_mb / t["step_ms"], "fill": how})  # fmt: skip
                     _log(f"{dtype} kv={kv} batch {batch} ctx {ctx}: {t['step_ms']:.2f} ms/step "
-                         f"(min {t['min_ms']:.2f}), KV read {kv_mb:.0f} MB")  # fmt: skip
+                         f"(min {t['min_ms']:.2f}, CPU {t['cpu_ms']:.2f}), KV {kv_mb:.0f} MB")  # fmt: skip
             del runner
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"part": "decode", "threads": torch.get_num_threads(), "steps": args.steps,
@@ -434,6 +440,8 @@ def plot_decode(payload: dict[str, Any], path: Path) -> None:
 
     plt = _pyplot()
     rows = payload["rows"]
+    # one thread: the process's CPU time per step (steady on a shared machine); else wall time
+    key, what = ("cpu_ms", "CPU ms") if payload["threads"] == 1 else ("step_ms", "ms")
     dtypes = list(dict.fromkeys(r["model_dtype"] for r in rows))
     batches = list(dict.fromkeys(r["batch"] for r in rows))
     fig, axes = plt.subplots(1, len(dtypes) * len(batches), figsize=(4.2 * len(dtypes) * len(batches), 3.8),
@@ -444,12 +452,10 @@ def plot_decode(payload: dict[str, Any], path: Path) -> None:
         ctxs = list(dict.fromkeys(r["context"] for r in sel))
         width = 0.8 / len(kvs)
         for j, kv in enumerate(kvs):
-            ys = [
-                next(r["step_ms"] for r in sel if r["kv"] == kv and r["context"] == c) for c in ctxs
-            ]
+            ys = [next(r[key] for r in sel if r["kv"] == kv and r["context"] == c) for c in ctxs]
             ax.bar([i + j * width for i in range(len(ctxs))], ys, width, label=kv)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ctxs))], [f"ctx {c}" for c in ctxs])
-        ax.set_title(f"--dtype {dtype}, batch {batch}: ms per decode step", fontsize=9)
+        ax.set_title(f"--dtype {dtype}, batch {batch}: {what} per decode step", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -468,20 +474,21 @@ def main(argv: list[str] | None = None) -> int:
                         choices=list(MODEL_CONFIGS))  # fmt: skip
     parser.add_argument("--kv", nargs="+", default=list(KV_VARIANTS), choices=list(KV_VARIANTS))
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--max-windows", type=int, default=16)
-    parser.add_argument("--chunk", type=int, default=64, help="--max-num-batched-tokens scoring")
+    parser.add_argument("--max-windows", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=128, help="--max-num-batched-tokens scoring")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--long-prompts", type=int, default=8)
-    parser.add_argument("--long-len", type=int, default=2048)
-    parser.add_argument("--long-max-tokens", type=int, default=64)
+    parser.add_argument("--long-len", type=int, default=1536)
+    parser.add_argument("--long-max-tokens", type=int, default=48)
     parser.add_argument("--no-control", dest="control", action="store_false")
     parser.add_argument("--kv-cache-memory-bytes", default=None)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--w1-kv", nargs="+", default=["auto", "fp8", "int8"])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--server-args", default="", help="more serve flags (w1), one string")
     parser.add_argument("--decode-kv", nargs="+", default=["auto", "fp8", "fp8_e5m2", "int8"])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8191])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8160])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)

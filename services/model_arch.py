@@ -25,7 +25,16 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+
+# Mixture-of-experts architectures: (HF config key of the expert count, the layer's module
+# name in HF checkpoints).
+_MOE_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": ("num_experts", "mlp"),
+    "MixtralForCausalLM": ("num_local_experts", "block_sparse_moe"),
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,30 @@ class ModelArchConfig:
     # Mistral v0.1's sliding-window attention (None: none, or disabled as in Qwen2's configs).
     # Not implemented: max_model_len is capped to it, as vLLM's --disable-sliding-window does.
     sliding_window: int | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global index) has experts instead of a dense MLP."""
+        return (
+            self.is_moe
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_checkpoint_module(self) -> str:
+        """The MoE block's module name in HF checkpoints (``mlp`` or ``block_sparse_moe``)."""
+        return _MOE_ARCHITECTURES[self.architecture][1] if self.is_moe else "mlp"
 
     @property
     def derived_max_model_len(self) -> int:
@@ -82,6 +115,7 @@ class ModelArchConfig:
             window = cfg.get("sliding_window")
             if not cfg.get("use_sliding_window", True) or window is None:
                 window = None
+            moe = _moe_fields(arch, cfg)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -96,11 +130,49 @@ class ModelArchConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 rope_scaling=rope_scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 sliding_window=int(window) if window is not None else None,
+                **moe,
             )
+        except ConfigError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"config.json is missing or has a bad value for {e}") from None
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of an HF config (none for a dense architecture)."""
+    if arch not in _MOE_ARCHITECTURES:
+        return {}
+    experts_key = _MOE_ARCHITECTURES[arch][0]
+    if experts_key not in cfg and "num_local_experts" in cfg:
+        experts_key = "num_local_experts"  # transformers >= 5 saves Qwen3-MoE's under this name
+    num_experts = int(cfg[experts_key])
+    top_k = int(cfg["num_experts_per_tok"])
+    if arch == "MixtralForCausalLM":  # intermediate_size is the experts' width
+        fields: dict[str, Any] = {
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+        }
+    else:
+        fields = {
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        }
+    if num_experts < 1:
+        raise ConfigError(f"{experts_key} must be at least 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok ({top_k}) must be between 1 and the number "
+            f"of experts ({experts_key} = {num_experts})"
+        )
+    if fields["moe_intermediate_size"] < 1:
+        raise ConfigError("the experts' intermediate size must be positive")
+    if fields.get("decoder_sparse_step", 1) < 1:
+        raise ConfigError("decoder_sparse_step must be at least 1")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k, **fields}

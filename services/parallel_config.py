@@ -204,6 +204,11 @@ class ParallelConfig:
                 f"the MLP width ({arch.intermediate_size}) must be divisible by tensor "
                 f"parallel size ({tp})"
             )
+        if arch.moe_intermediate_size % tp:
+            raise ConfigError(
+                f"the experts' MLP width ({arch.moe_intermediate_size}) must be divisible by "
+                f"tensor parallel size ({tp})"
+            )
         self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
         ranks = len(self.local_ranks) * len(self.local_engines)  # on this machine
         if ranks == 1:

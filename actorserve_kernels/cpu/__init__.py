@@ -12,6 +12,8 @@
   accumulation; ``quant_dequant_rows`` expands single rows (embedding lookups);
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_embedding_``: the
   per-layer elementwise ops in one pass each;
+- ``fused_moe``: a mixture-of-experts layer's experts (``actorserve_kernels/moe.py``),
+  the tokens grouped by expert, each expert's GEMMs over its tokens only;
 - ``decode_layers``: a decode step's decoder layers in one call, from the ops above
   (the model's fast path for decode-only steps over quantized weights).
 
@@ -46,6 +48,7 @@ _SOURCES = [
         "quant_gemv.cpp",
         "elementwise.cpp",
         "decode_layers.cpp",
+        "moe.cpp",
     )
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
@@ -288,3 +291,25 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     (-sin | sin) rows ``cos``/``sin`` [T, 1, D]; D a multiple of 32. Returns ``x``."""
     torch.ops.actorserve_cpu.rotary_embedding(x, cos, sin)
     return x
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``actorserve_kernels.moe.fused_experts_ref``'s result: for fp32 or bf16 ``hidden``
+    [T, H], ``w13`` [E, 2I, H] (gate rows, then up rows), ``w2`` [E, H, I] (one dtype),
+    ``topk_weights`` [T, k] (read as fp32) and ``topk_ids`` [T, k] (int32/int64),
+    ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x)) * up_e(x))``,
+    ``e = topk_ids[t, j]``. The pairs are grouped by expert; an expert with 1-4 tokens
+    streams its weights (fp32 accumulation, fp32 activation), one with more runs
+    ``at::linear`` on its gathered tokens in the hidden dtype, as the reference does; each
+    token's k rows are summed in fp32 in a fixed order (by expert id, as the reference
+    adds them) and rounded once, so the result does not depend on thread scheduling.
+    Requires ``load_cpu_ops()`` to have returned True."""
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    torch.ops.actorserve_cpu.fused_moe(out, hidden, w13, w2, topk_weights, topk_ids)
+    return out

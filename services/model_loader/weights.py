@@ -64,7 +64,8 @@ def iter_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.
 
 
 def param_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Llama-family decoder, in HF's order."""
+    """HF parameter names and shapes of a Llama-family decoder (or its MoE variant), in
+    HF's order."""
     h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
     q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
@@ -81,14 +82,34 @@ def param_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if arch.is_moe_layer(i):
+            shapes.update(_moe_shapes(arch, p + arch.moe_checkpoint_module + "."))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+            shapes[p + "mlp.up_proj.weight"] = (inter, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
+def _moe_shapes(arch: ModelArchConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A MoE block's router and experts by HF name (Qwen3-MoE's ``{gate,up,down}_proj``,
+    Mixtral's ``w1``/``w3``/``w2``), in HF's order."""
+    h, inter = arch.hidden_size, arch.moe_intermediate_size
+    gate, up, down = (
+        ("w1", "w3", "w2")
+        if arch.architecture == "MixtralForCausalLM"
+        else ("gate_proj", "up_proj", "down_proj")
+    )
+    shapes: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (arch.num_experts, h)}
+    for e in range(arch.num_experts):
+        shapes[f"{prefix}experts.{e}.{gate}.weight"] = (inter, h)
+        shapes[f"{prefix}experts.{e}.{up}.weight"] = (inter, h)
+        shapes[f"{prefix}experts.{e}.{down}.weight"] = (h, inter)
     return shapes
 
 

@@ -22,6 +22,10 @@ embedding, the last the final norm and the LM head (and, with tied embeddings, t
 embedding it reuses). A stage that is not the last returns ``(hidden, residual)``
 for the next one, which takes them as ``intermediate``.
 
+Mixture-of-experts models (Qwen3-MoE, Mixtral) are this decoder with a ``SparseMoeBlock``
+(``moe.py``) in place of ``LlamaMLP`` in the layers ``ModelArchConfig.is_moe_layer`` names;
+their experts' checkpoint tensors load through it.
+
 The file stays whole: one model family's definition and its weight loading, read together
 (as vLLM keeps one file per model).
 """
@@ -47,6 +51,7 @@ from services.gpu_worker.model.layers import (
     silu_and_mul,
     vocab_rows,
 )
+from services.gpu_worker.model.moe import SparseMoeBlock, checkpoint_module_name, expert_param
 from services.model_loader.gguf_tensors import GGUFBlocks
 
 # A pipeline stage's output for the next: (hidden, residual), each [T, H].
@@ -159,10 +164,13 @@ class LlamaDecoderLayer(nn.Module):
         attn_backend: type[AttentionBackend],
         rotary_emb: RotaryEmbedding,
         parallel: ParallelState,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, attn_backend, rotary_emb, parallel)
-        self.mlp = LlamaMLP(arch, parallel)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            SparseMoeBlock(arch, parallel) if arch.is_moe_layer(layer) else LlamaMLP(arch, parallel)
+        )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -209,10 +217,11 @@ class LlamaModel(nn.Module):
         self.attn_builder = attn_backend.builder(heads.num_heads, heads.num_kv_heads, arch.head_dim)
         self.layer_start, layer_end = parallel.layer_range(arch.num_hidden_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attn_backend, self.rotary_emb, parallel)
-            for _ in range(self.layer_start, layer_end)
+            LlamaDecoderLayer(arch, attn_backend, self.rotary_emb, parallel, i)
+            for i in range(self.layer_start, layer_end)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if parallel.is_last_stage else None
+        self.is_moe = arch.is_moe
 
     def forward(
         self,
@@ -257,6 +266,7 @@ class LlamaModel(nn.Module):
         tokens = hidden.shape[0]
         if (
             not self.fused_decode
+            or self.is_moe  # the C++ decode layers are dense
             or hidden.device.type != "cpu"  # a C++ op of the CPU kernels
             or meta.max_query_len != 1
             or tokens != meta.num_reqs
@@ -341,8 +351,10 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied (some checkpoints store the copy anyway), or not the last stage
             if not self._on_this_stage(hf_name):
                 continue
-            hf_name = self._local_layer_name(hf_name)
+            hf_name = checkpoint_module_name(self._local_layer_name(hf_name))
             if self._load_kv_scale(hf_name, checkpoint_tensor):
+                continue
+            if self._load_expert(hf_name, checkpoint_tensor, params, loaded):
                 continue
             name, shard = hf_name, None
             for fused, part, shard_id in _STACKED_PARAMS:
@@ -382,6 +394,31 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _load_expert(
+        self,
+        hf_name: str,
+        tensor: CheckpointTensor,
+        params: dict[str, nn.Parameter],
+        loaded: set[str],
+    ) -> bool:
+        """One expert's projection into its MoE block's stacked ``w13``/``w2``; True if
+        ``hf_name`` was one."""
+        found = expert_param(hf_name)
+        if found is None:
+            return False
+        name, expert, shard = found
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} matches no model parameter")
+        block = self.get_submodule(name.rsplit(".", 1)[0])
+        assert isinstance(block, SparseMoeBlock)
+        dense = tensor.dequantize() if isinstance(tensor, GGUFBlocks) else tensor
+        try:
+            block.load_expert(name.rsplit(".", 1)[1], expert, shard, dense.to(params[name].dtype))
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {hf_name!r}: {e}") from None
+        loaded.add(f"{name}#{expert}:{shard}")
+        return True
 
     def reset_kv_scales(self) -> None:
         """Every layer's fp8 KV scales to 1.0 (after the model is materialised: the buffers
@@ -505,10 +542,9 @@ class LlamaForCausalLM(nn.Module):
         if p.tp_size == 1:
             return None
         attn = self.model.layers[0].self_attn
-        mlp = self.model.layers[0].mlp
-        assert isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
+        assert isinstance(attn, LlamaAttention)
         heads, d = attn.heads, attn.head_dim
-        width = mlp.intermediate_size
+        width = self.arch.intermediate_size // p.tp_size  # a dense MLP's (experts cut their own)
         if ".q_proj." in hf_name:
             return 0, heads.q_start * d, heads.num_heads * d
         if ".k_proj." in hf_name or ".v_proj." in hf_name:
@@ -540,6 +576,11 @@ class LlamaForCausalLM(nn.Module):
                 yield from ((name, s) for s in ("q", "k", "v"))
             elif name.endswith("gate_up_proj.weight"):
                 yield from ((name, s) for s in (0, 1))
+            elif name.endswith(".mlp.w13"):
+                experts = params[name].shape[0]
+                yield from ((name, f"{e}:{s}") for e in range(experts) for s in (0, 1))
+            elif name.endswith(".mlp.w2"):
+                yield from ((name, f"{e}:None") for e in range(params[name].shape[0]))
             else:
                 yield name, None
 
