@@ -27,6 +27,8 @@ class FusedDecodeWeights:
     num_kv_heads: int
     eps: float
     scale: float
+    # Each layer's fp8 KV cache scales: the layers' buffers (filled in place, so read per call)
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, model: Any) -> FusedDecodeWeights | None:
@@ -45,6 +47,7 @@ class FusedDecodeWeights:
             return None
         weights: list[torch.Tensor] = []
         types: list[int] = []
+        kv_scales = [(m.self_attn.k_scale, m.self_attn.v_scale) for m in model.layers]
         for module in model.layers:
             layer = module  # a LlamaDecoderLayer (not imported: llama.py imports this module)
             attn, mlp = layer.self_attn, layer.mlp
@@ -74,7 +77,9 @@ class FusedDecodeWeights:
             m.down_proj.out_features,
         ]
         eps = first.input_layernorm.eps
-        return cls(weights, types, dims, a.num_heads, a.num_kv_heads, eps, a.head_dim**-0.5)
+        return cls(
+            weights, types, dims, a.num_heads, a.num_kv_heads, eps, a.head_dim**-0.5, kv_scales
+        )
 
 
 def fused_decode_layers(
@@ -83,16 +88,14 @@ def fused_decode_layers(
     kv_caches: list[KVCache],
     meta: AttentionMetadata,
     fused: FusedDecodeWeights,
-    kv_scales: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer of a decode-only step through ``decode_layers``: (hidden, residual).
-    ``kv_scales``: each layer's fp8 KV cache scales (read for an fp8 cache only)."""
+    """Every layer of a decode-only step through ``decode_layers``: (hidden, residual)."""
     from actorserve_kernels.cpu import decode_layers
     from actorserve_kernels.kv_quant import kind
 
     fp8 = kind(kv_caches[0][0]) == "fp8"
-    k_scales = [float(k) for k, _ in kv_scales] if fp8 else []
-    v_scales = [float(v) for _, v in kv_scales] if fp8 else []
+    k_scales = [float(k) for k, _ in fused.kv_scales] if fp8 else []
+    v_scales = [float(v) for _, v in fused.kv_scales] if fp8 else []
     return decode_layers(
         hidden.contiguous(), fused.weights, fused.types, fused.dims,
         [k for k, _ in kv_caches], [v for _, v in kv_caches],

@@ -241,11 +241,7 @@ class LlamaModel(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         fused = self._fused_decode_args(hidden, attn_meta) if intermediate is None else None
         if fused is not None:
-            attns = [m for m in self.modules() if isinstance(m, LlamaAttention)]
-            scales = [(a.k_scale, a.v_scale) for a in attns]
-            hidden, residual = fused_decode_layers(
-                hidden, cos_sin, kv_caches, attn_meta, fused, scales
-            )
+            hidden, residual = fused_decode_layers(hidden, cos_sin, kv_caches, attn_meta, fused)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden, residual = layer(cos_sin, hidden, residual, kv_cache, attn_meta)
