@@ -31,6 +31,16 @@ and the router's ``topk_ids`` / ``topk_weights`` [T, k]:
 5. The ``k`` rows of each token summed (torch; CUDA accumulates a bf16/fp16 sum in fp32 and
    rounds once). With ``k == 1`` the buffer is the output.
 
+Expert parallelism. With an ``expert_map`` (``moe`` module doc: int32 [E_global], global id
+-> local index or -1; ``w13``/``w2`` hold the local experts) the ids are mapped by one gather
+and ``moe_align_block_size`` drops the pairs of id -1, as vLLM's does: they are in no block,
+so neither GEMM computes or writes their rows, and the grid and padding count local pairs
+only. Their rows of the [T, k, H] buffer are therefore never written, and step 5 is
+``_moe_sum_kernel`` instead of torch's sum: each token's rows of local pairs summed in fp32
+(in order of j, as torch's sum), unwritten rows skipped (not even read), rounded once; a
+token with no local pair gets zeros. No extra pass over the buffer (no zero fill), no host
+sync.
+
 Numerics. GEMMs accumulate in fp32; fp32 inputs use ``input_precision="ieee"`` (Triton's
 default for fp32 on GPUs is tf32), so fp32 results equal the reference to fp32 summation
 order (the tests: within 1e-5 relative plus 2e-6 of the largest output). In bf16/fp16 the intermediates are rounded where vLLM
@@ -49,9 +59,10 @@ Block sizes (``default_config``) are untuned guesses for an H200: ``BLOCK_M`` 16
 experts get few tokens each on average (decode), else 64; ``BLOCK_N`` 64/128, ``BLOCK_K``
 64. bench/gpu_check.py is where to tune them (vLLM keeps per-shape JSON tables).
 
-Not here yet: expert parallelism's expert map (vLLM marks blocks of experts that live on
-another rank with expert id -1; the kernel already writes zeros for such blocks), quantized
-weights, chunking very large batches (the [T, k, H] buffer is the largest temporary).
+Not here yet: quantized weights, chunking very large batches (the [T, k, H] buffer is the
+largest temporary). (The GEMM kernel still writes zeros for a block of expert -1, the way
+older vLLM marked other ranks' experts after aligning by global id; the expert map path does
+not make such blocks.)
 """
 
 from __future__ import annotations
@@ -97,9 +108,9 @@ def _moe_align_kernel(
     counts = tl.full([E_PAD], 0, dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        valid = offs < num_pairs
-        ids = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-        counts += tl.histogram(ids, E_PAD, mask=valid)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        local = ids >= 0  # -1: another rank's expert, not counted
+        counts += tl.histogram(tl.where(local, ids, 0), E_PAD, mask=local)
     padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     padded_end = tl.associative_scan(padded, 0, _add_combine)
     padded_start = padded_end - padded
@@ -125,15 +136,15 @@ def _moe_align_kernel(
 
     # Each pair goes to its expert's cursor plus its rank among the chunk's pairs of that
     # expert (an inclusive scan of the one-hot rows), which keeps token order.
+    # Pairs of id -1 (and past the end) match no expert and are not stored.
     cursor = padded_start
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        valid = offs < num_pairs
-        ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
         rank = tl.reduce(tl.associative_scan(onehot, 0, _add_combine) * onehot, 1, _add_combine)
         base = tl.reduce(onehot * cursor[None, :], 1, _add_combine)
-        tl.store(sorted_ids_ptr + base + rank - 1, offs, mask=valid)
+        tl.store(sorted_ids_ptr + base + rank - 1, offs, mask=ids >= 0)
         cursor += tl.reduce(onehot, 0, _add_combine)
 
 
@@ -149,8 +160,9 @@ def moe_align_block_size(
     """The (token, k) pairs sorted by expert, each expert's segment padded to ``block_m``.
 
     Args:
-        topk_ids: [T, k] integer expert ids in ``[0, num_experts)`` (not checked: that
-            would need a host sync).
+        topk_ids: [T, k] integer expert ids in ``[0, num_experts)``, or -1: a pair of an
+            expert another rank holds (expert parallelism), dropped: in no block, not
+            counted (not checked: that would need a host sync).
         block_m: the GEMM's rows per block.
         num_experts: E.
         method: ``"triton"`` (one program), ``"torch"`` (scatter-add, cumsum, a stable
@@ -158,9 +170,10 @@ def moe_align_block_size(
             pairs. Both give the same result and neither syncs with the host.
 
     Returns:
-        ``sorted_ids``: [R] int32, ``R = _max_padded_rows(T * k, E, block_m)``: pair ids
-        ``t * k + j`` grouped by expert in expert order (token order within an expert), each
-        expert's segment starting at a multiple of ``block_m``; padding holds ``T * k``.
+        ``sorted_ids``: [R] int32, ``R = _max_padded_rows(T * k, E, block_m)``: the ids
+        ``t * k + j`` of the pairs not dropped, grouped by expert in expert order (token
+        order within an expert), each expert's segment starting at a multiple of
+        ``block_m``; padding holds ``T * k``.
         ``expert_ids``: [R // block_m] int32, the expert of each block; -1 past the end.
         ``num_tokens_post_padded``: [1] int32, the padded length (a multiple of ``block_m``).
 
@@ -195,23 +208,28 @@ def moe_align_block_size(
     if method != "torch":
         raise ValueError(f"moe_align_block_size: method {method!r}")
     flat = topk_ids.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    # Dropped pairs (id -1) count as an extra expert E, sorted last, scattered to a slot
+    # past the end that is cut off.
+    key = torch.where(flat >= 0, flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     # bincount would sync on CUDA (it sizes its output from the max id).
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + (block_m - 1)) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
+    order = torch.argsort(key, stable=True)
+    sorted_experts = key[order]
     rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
     dest = padded_start[sorted_experts] + rank
-    sorted_ids = torch.full((rows,), num_pairs, dtype=torch.int32, device=device)
+    dest = torch.where(sorted_experts < num_experts, dest, rows)
+    sorted_ids = torch.full((rows + 1,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = sorted_ids[:rows]
     block_starts = torch.arange(0, rows, block_m, device=device)
-    expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
+    expert_ids = torch.searchsorted(padded_end[:num_experts], block_starts, right=True)
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    num_tokens_post_padded = padded_end[-1:].to(torch.int32)
+    num_tokens_post_padded = padded_end[num_experts - 1 : num_experts].to(torch.int32)
     return sorted_ids, expert_ids, num_tokens_post_padded
 
 
@@ -290,6 +308,52 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, _round_bf16(acc, ROUND).to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def _moe_sum_kernel(
+    down_ptr,  # [T * k, H]: pair p's weighted row (unwritten for a dropped pair)
+    ids_ptr,  # [T * k] local expert ids, -1: a dropped pair
+    out_ptr,  # [T, H] contiguous
+    H,
+    stride_down,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROUND: tl.constexpr,  # bf16 output interpreted: round by hand
+):
+    """out[t] = the sum of token t's rows of local pairs (fp32, in order of j, rounded once)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_valid = offs < H
+    acc = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = t * TOP_K + j
+        # a dropped pair reads no column (a scalar & a block mask fails in the interpreter)
+        width = tl.where(tl.load(ids_ptr + pair) >= 0, H, 0)
+        row = tl.load(down_ptr + pair * stride_down + offs, mask=offs < width, other=0.0)
+        acc += row.to(tl.float32)
+    out = _round_bf16(acc, ROUND).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * H + offs, out, mask=col_valid)
+
+
+def _moe_sum(down: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    """[T, H]: each token's rows of ``down`` [T, k, H] whose ``local_ids`` [T, k] are not -1,
+    summed (``_moe_sum_kernel``)."""
+    num_tokens, top_k, hidden_size = down.shape
+    out = down.new_empty((num_tokens, hidden_size))
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        down,
+        local_ids.contiguous(),
+        out,
+        hidden_size,
+        down.stride(1),
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+        ROUND=_round_by_hand(out.dtype),
+        num_warps=4,
+    )
+    return out
+
+
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Block sizes for a batch (untuned guesses for an H200; module doc)."""
     if num_tokens * top_k <= 32 * num_experts:
@@ -357,6 +421,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    expert_map: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """``moe.fused_experts_ref``'s result: the experts' SwiGLU MLPs, weighted and summed.
@@ -366,7 +431,11 @@ def fused_moe(
         w13: [E, 2I, H], each expert's gate rows then its up rows; ``hidden``'s dtype.
         w2: [E, H, I], the down projections.
         topk_weights: [T, k] routing weights (used as fp32).
-        topk_ids: [T, k] integer experts in ``[0, E)``, distinct per token (not checked).
+        topk_ids: [T, k] integer experts in ``[0, E)``, distinct per token (not checked);
+            global ids in ``[0, E_global)`` with ``expert_map``.
+        expert_map: None, or with expert parallelism [E_global] integers: each global
+            expert's index in ``w13``/``w2``, -1 for one another rank holds; pairs of
+            those contribute nothing (a token with none local gets zeros). vLLM's argument.
         config: block sizes and launch options overriding ``default_config``'s (keys
             ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``, ``num_stages``).
 
@@ -399,14 +468,26 @@ def fused_moe(
         f"topk_ids {list(topk_ids.shape)} {topk_ids.dtype} and topk_weights "
         f"{list(topk_weights.shape)} must be [{num_tokens}, k], the ids integers",
     )
+    if expert_map is not None:
+        _check(
+            expert_map.dim() == 1
+            and not expert_map.is_floating_point()
+            and expert_map.device == topk_ids.device,
+            f"expert_map must be [E_global] integers on {topk_ids.device}, got "
+            f"{list(expert_map.shape)} {expert_map.dtype} on {expert_map.device}",
+        )
     top_k = topk_ids.shape[1]
     out_shape = (num_tokens, hidden_size)
     if num_tokens == 0 or top_k == 0 or inter == 0:
         return hidden.new_zeros(out_shape)
 
-    cfg = default_config(num_tokens, top_k, num_experts, hidden.dtype) | (config or {})
+    # Tokens per expert on average: over all E_global experts with an expert map.
+    all_experts = num_experts if expert_map is None else expert_map.shape[0]
+    cfg = default_config(num_tokens, top_k, all_experts, hidden.dtype) | (config or {})
     weights = topk_weights.to(torch.float32).contiguous().view(-1)
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg["BLOCK_M"], num_experts)
+    # Another rank's experts map to -1: their pairs are dropped by the alignment.
+    ids = topk_ids if expert_map is None else expert_map[topk_ids]
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, cfg["BLOCK_M"], num_experts)
     num_pairs = num_tokens * top_k
     gate_up = hidden.new_empty((num_pairs, 2 * inter))
     _grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, expert_ids, num_post, top_k,
@@ -415,6 +496,8 @@ def fused_moe(
     down = hidden.new_empty((num_tokens, top_k, hidden_size))
     _grouped_gemm(act, w2, down.view(num_pairs, hidden_size), weights, sorted_ids,
                   expert_ids, num_post, 1, True, cfg)  # fmt: skip
+    if expert_map is not None:  # the rows of dropped pairs are unwritten
+        return _moe_sum(down, ids)
     if top_k == 1:
         return down.view(out_shape)
     return down.sum(dim=1)

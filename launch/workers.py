@@ -21,23 +21,25 @@ _POLL_MS = 200
 
 def resolve_master_port(parallel: ParallelConfig) -> bool:
     """Pick free ports on ``--master-addr`` for the ranks' rendezvous, unless one was given
-    (or one rank needs none): data-parallel engine d's ranks meet at ``master_port + d``.
+    (or one rank needs none): data-parallel engine d's ranks meet at ``master_port + d``
+    (all of them at ``master_port`` when they step together: ``dp_lockstep``).
     True if it picked them."""
-    if parallel.world_size == 1 or parallel.master_port is not None:
+    if parallel.group_world_size == 1 or parallel.master_port is not None:
         return False
+    groups = 1 if parallel.dp_lockstep else parallel.data_parallel_size
     for _ in range(100):
         with socket.socket() as s:
             s.bind((parallel.master_addr, 0))
             first = int(s.getsockname()[1])
         try:
-            for port in range(first, first + parallel.data_parallel_size):
+            for port in range(first, first + groups):
                 with socket.socket() as s:
                     s.bind((parallel.master_addr, port))
         except OSError:
             continue
         parallel.master_port = first
         return True
-    raise RuntimeError(f"found no {parallel.data_parallel_size} free consecutive ports")
+    raise RuntimeError(f"found no {groups} free consecutive ports")
 
 
 def worker_name(rank: int, dp_rank: int, data_parallel_size: int) -> str:

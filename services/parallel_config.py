@@ -69,6 +69,14 @@ class ParallelConfig:
             aliases=("-dpp",),
         ),
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=flag(
+            "MoE layers hold whole experts, num_experts / (TP x DP) per rank, instead of "
+            "every expert split by TP; with DP > 1 the engine cores step together",
+            aliases=("-ep",),
+        ),
+    )
     nnodes: int = field(
         default=1, metadata=flag("machines the worker ranks of one engine core span")
     )
@@ -92,6 +100,26 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the experts spread over (vLLM's EP size: TP x DP); 1 without
+        ``--enable-expert-parallel``."""
+        if not self.enable_expert_parallel:
+            return 1
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def dp_lockstep(self) -> bool:
+        """The engine cores' ranks form one torch.distributed group and step together
+        through the MoE layers (expert parallelism over data-parallel engines)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def group_world_size(self) -> int:
+        """Ranks in one torch.distributed group: one engine core's, or with
+        ``dp_lockstep`` every engine core's (engine d's rank r is ``d * world_size + r``)."""
+        return self.world_size * (self.data_parallel_size if self.dp_lockstep else 1)
 
     @property
     def local_engines(self) -> range:
@@ -181,6 +209,19 @@ class ParallelConfig:
             )
         if self.distributed_timeout <= 0:
             raise ConfigError("--distributed-timeout must be positive")
+        if self.enable_expert_parallel:
+            if self.pipeline_parallel_size > 1:
+                raise ConfigError(
+                    "--enable-expert-parallel with --pipeline-parallel-size > 1 is not "
+                    "supported; split the model with --tensor-parallel-size and "
+                    "--data-parallel-size"
+                )
+            if self.dp_lockstep and self.engines_span_nodes:
+                raise ConfigError(
+                    "--enable-expert-parallel over engine cores on other machines "
+                    "(--data-parallel-size-local < --data-parallel-size) is not supported; "
+                    "run every engine core on this machine"
+                )
 
     def check_fits(self, arch: ModelArchConfig, device: str) -> None:
         """The split must divide the model's heads and MLP, and the ranks must find devices."""
@@ -204,11 +245,24 @@ class ParallelConfig:
                 f"the MLP width ({arch.intermediate_size}) must be divisible by tensor "
                 f"parallel size ({tp})"
             )
-        if arch.moe_intermediate_size % tp:
+        if arch.moe_intermediate_size % tp and not self.enable_expert_parallel:
             raise ConfigError(
                 f"the experts' MLP width ({arch.moe_intermediate_size}) must be divisible by "
                 f"tensor parallel size ({tp})"
             )
+        if self.enable_expert_parallel:
+            ep = self.expert_parallel_size
+            if not arch.is_moe:
+                raise ConfigError(
+                    f"--enable-expert-parallel needs a mixture-of-experts model; "
+                    f"{arch.architecture} has no experts"
+                )
+            if arch.num_experts % ep:
+                raise ConfigError(
+                    f"the model's {arch.num_experts} experts cannot be split evenly over the "
+                    f"{ep} expert-parallel ranks (tensor x data parallel size); use sizes "
+                    f"whose product divides {arch.num_experts}"
+                )
         self.stage_layers(arch.num_hidden_layers)  # raises when the partition does not fit
         ranks = len(self.local_ranks) * len(self.local_engines)  # on this machine
         if ranks == 1:

@@ -24,6 +24,7 @@ reference too):
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -77,6 +78,7 @@ def make_inputs(
 # ---------------------------------------------------------------- moe_align_block_size
 
 
+@pytest.mark.parametrize("drop", [False, True], ids=["all_local", "drop"])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize(
     ("tokens", "top_k", "experts"),
@@ -91,11 +93,19 @@ def make_inputs(
         (5, 8, 256),  # DeepSeek-V3's: tails written 32 rows at a time
     ],
 )
-def test_align(gen: torch.Generator, block_m: int, tokens: int, top_k: int, experts: int) -> None:
-    """Both methods, the same result, and it is the one the docstring describes."""
+def test_align(
+    gen: torch.Generator, block_m: int, tokens: int, top_k: int, experts: int, drop: bool
+) -> None:
+    """Both methods, the same result, and it is the one the docstring describes. ``drop``:
+    about half the pairs have id -1 (another rank's expert, expert parallelism) and, when
+    there are several tokens, all of the first token's: they are left out."""
     # Distinct experts per token; expert experts - 1 is never picked.
     per_token = [torch.randperm(experts - 1, generator=gen)[:top_k] for _ in range(tokens)]
     ids = torch.stack(per_token) if per_token else torch.empty(0, top_k, dtype=torch.int64)
+    if drop:
+        ids[torch.rand(ids.shape, generator=gen) < 0.5] = -1
+        if tokens > 1:
+            ids[0] = -1
     by_torch = moe_align_block_size(ids.to(DEVICE), block_m, experts, method="torch")
     # int32 ids, as some routers give them.
     by_triton = moe_align_block_size(ids.int().to(DEVICE), block_m, experts, method="triton")
@@ -104,15 +114,17 @@ def test_align(gen: torch.Generator, block_m: int, tokens: int, top_k: int, expe
         assert a.tolist() == b.tolist()
     sorted_ids, expert_ids, num_post = (t.cpu() for t in by_triton)
     num_pairs = tokens * top_k
-    counts = torch.bincount(ids.flatten(), minlength=experts)
+    flat = ids.flatten()
+    counts = torch.bincount(flat[flat >= 0], minlength=experts)
     padded = (counts + block_m - 1) // block_m * block_m
     total = int(padded.sum())
     assert num_post.tolist() == [total]
     assert sorted_ids.numel() == expert_ids.numel() * block_m
     assert sorted_ids.numel() == fmt._max_padded_rows(num_pairs, experts, block_m)
-    # Every pair exactly once, in its expert's blocks, in token order; padding = num_pairs.
+    # Every kept pair exactly once, in its expert's blocks, in token order; padding =
+    # num_pairs.
     valid = sorted_ids[:total][sorted_ids[:total] < num_pairs]
-    assert sorted(valid.tolist()) == list(range(num_pairs))
+    assert sorted(valid.tolist()) == torch.nonzero(flat >= 0).flatten().tolist()
     assert (sorted_ids[total:] == num_pairs).all()
     block_of = torch.arange(total) // block_m
     expected_experts = torch.repeat_interleave(torch.arange(experts), padded // block_m)
@@ -121,7 +133,7 @@ def test_align(gen: torch.Generator, block_m: int, tokens: int, top_k: int, expe
     for e in range(experts):
         rows = sorted_ids[:total][expert_ids[block_of] == e]
         pairs = rows[rows < num_pairs]
-        assert pairs.tolist() == torch.nonzero(ids.flatten() == e).flatten().tolist()
+        assert pairs.tolist() == torch.nonzero(flat == e).flatten().tolist()
         assert rows.numel() == int(padded[e])
 
 
@@ -261,4 +273,156 @@ def test_fused_experts_dispatches_to_triton(gen: torch.Generator) -> None:
     x, w13, w2, weights, ids = make_inputs(gen, torch.bfloat16, 20, 64, 48, 8, 2)
     torch.testing.assert_close(
         fused_experts(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids)
+    )
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+@pytest.fixture
+def poison_empty() -> Iterator[None]:
+    """``torch.empty`` filled with NaN (torch's deterministic mode fills uninitialized
+    memory): a row of a buffer that is read but was never written shows in the result."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def ep_map(experts: int, local: list[int]) -> torch.Tensor:
+    """An ``expert_map``: global id -> its index among ``local`` (in order), else -1."""
+    expert_map = torch.full((experts,), -1, dtype=torch.int32)
+    expert_map[local] = torch.arange(len(local), dtype=torch.int32)
+    return expert_map.to(DEVICE)
+
+
+# scenario -> this rank's experts (of 8)
+EP_SCENARIOS = {
+    "half": [0, 1, 2, 3],  # rank 0 of EP=2
+    "round_robin": [1, 3, 5, 7],  # odd experts, local index e // 2
+    "token_all_remote": [4, 5, 6, 7],  # token 0 routed to remote experts only
+    "none_local": [4, 5, 6, 7],  # no token picks a local expert (router skips 4-7)
+}
+
+
+def ep_inputs(gen: torch.Generator, dtype: torch.dtype, tokens: int, scenario: str):
+    """Full-model inputs (8 experts, top-2, H 64, I 48) for an expert-map scenario, and
+    this rank's experts."""
+    local = EP_SCENARIOS[scenario]
+    unused = tuple(local) if scenario == "none_local" else ()
+    x, w13, w2, weights, ids = make_inputs(gen, dtype, tokens, 64, 48, 8, 2, unused=unused)
+    if scenario == "token_all_remote":
+        ids[0] = torch.tensor([2, 0])
+    return (x, w13, w2, weights, ids), local
+
+
+def ep_exact(x, w13, w2, weights, ids, local: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's share computed independently of any expert map: the reference on the
+    full weights with the routing weights of remote pairs zeroed (fp64 copies for 16-bit
+    dtypes: the exact result)."""
+    masked = weights * torch.isin(ids, torch.tensor(local, device=ids.device))
+    if dtype == torch.float32:
+        return fused_experts_ref(x, w13, w2, masked, ids)
+    return fused_experts_ref(x.double(), w13.double(), w2.double(), masked.double(), ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 4, 64])  # decode, prefill
+@pytest.mark.parametrize("scenario", list(EP_SCENARIOS))
+@pytest.mark.usefixtures("poison_empty")
+def test_fused_moe_expert_map(
+    gen: torch.Generator, dtype: torch.dtype, tokens: int, scenario: str
+) -> None:
+    """``expert_map`` with this rank's experts' weights: the sum over the local experts'
+    pairs only (the same bounds as above), zeros for a token with no local pair, on
+    outputs poisoned in advance (the buffers' rows of dropped pairs are never written)."""
+    (x, w13, w2, weights, ids), local = ep_inputs(gen, dtype, tokens, scenario)
+    expert_map = ep_map(8, local)
+    out = fused_moe(x, w13[local], w2[local], weights, ids, expert_map=expert_map)
+    exact = ep_exact(x, w13, w2, weights, ids, local, dtype)
+    assert out.shape == (tokens, 64) and out.dtype == dtype
+    if scenario == "none_local":
+        assert torch.equal(out, torch.zeros_like(out))
+        return
+    if scenario == "token_all_remote":
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+    scale = float(exact.abs().max())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, exact, rtol=1e-5, atol=2e-6 * scale)
+    else:
+        err = float((out.double() - exact).abs().max())
+        assert err <= 2 * EPS[dtype] * scale, f"{err / scale} of max"
+    # The reference with the same map and weights agrees.
+    ref = fused_experts_ref(x, w13[local], w2[local], weights, ids, expert_map=expert_map)
+    tol = 1e-5 if dtype == torch.float32 else 2 * EPS[dtype]
+    torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("poison_empty")
+def test_fused_moe_expert_map_all_remote(gen: torch.Generator, dtype: torch.dtype) -> None:
+    """No pair local at all (the map all -1): zeros, whatever the buffers held; k = 2, and
+    k = 1 (where the buffer would otherwise be the output) with the multi-tile config."""
+    for top_k, config in ((2, None), (1, BIG)):
+        x, w13, w2, weights, ids = make_inputs(gen, dtype, 6, 64, 32, 8, top_k)
+        none = torch.full((8,), -1, dtype=torch.int32, device=DEVICE)
+        out = fused_moe(x, w13[:2], w2[:2], weights, ids, expert_map=none, config=config)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("align", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 64])
+@pytest.mark.usefixtures("poison_empty")
+def test_fused_moe_expert_map_shares_sum_to_the_whole(
+    gen: torch.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    tokens: int,
+    align: str,
+) -> None:
+    """EP=2: ranks 0 and 1, each with its half of w13/w2 (top-2 with the default config,
+    top-1 with the multi-tile one; either alignment method); their shares add up to the
+    result on every expert."""
+    if align == "torch":
+        monkeypatch.setattr(fmt, "TRITON_ALIGN_MAX_PAIRS", 0)
+    for top_k, config in ((2, None), (1, BIG)):
+        x, w13, w2, weights, ids = make_inputs(gen, dtype, tokens, 64, 48, 8, top_k)
+        whole = fused_moe(x, w13, w2, weights, ids)
+        shares = [
+            fused_moe(
+                x,
+                w13[lo:hi],
+                w2[lo:hi],
+                weights,
+                ids,
+                config=config,
+                expert_map=ep_map(8, list(range(lo, hi))),
+            )
+            for lo, hi in ((0, 4), (4, 8))
+        ]
+        total = shares[0].double() + shares[1].double()
+        scale = float(whole.abs().max())
+        tol = 1e-5 if dtype == torch.float32 else 2 * EPS[dtype]
+        torch.testing.assert_close(total, whole.double(), rtol=tol, atol=tol * scale)
+
+
+def test_fused_moe_rejects_bad_expert_map(gen: torch.Generator) -> None:
+    x, w13, w2, weights, ids = make_inputs(gen, torch.float32, 3, 64, 32, 4, 2)
+    with pytest.raises(ValueError, match="expert_map"):
+        fused_moe(x, w13, w2, weights, ids, expert_map=torch.zeros(4, device=DEVICE))
+    with pytest.raises(ValueError, match="expert_map"):
+        fused_moe(x, w13, w2, weights, ids, expert_map=torch.zeros(2, 2, dtype=torch.int32))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="moe.fused_experts uses Triton on CUDA only")
+def test_fused_experts_dispatches_expert_map_to_triton(gen: torch.Generator) -> None:
+    from actorserve_kernels.moe import fused_experts
+
+    x, w13, w2, weights, ids = make_inputs(gen, torch.bfloat16, 20, 64, 48, 8, 2)
+    expert_map = ep_map(8, [4, 5, 6, 7])
+    torch.testing.assert_close(
+        fused_experts(x, w13[4:], w2[4:], weights, ids, expert_map=expert_map),
+        fused_moe(x, w13[4:], w2[4:], weights, ids, expert_map=expert_map),
     )

@@ -1,9 +1,12 @@
 // The experts of a mixture-of-experts layer on CPUs (actorserve_kernels/moe.py states the math):
 // out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+// With expert parallelism an id of -1 marks a pair whose expert another rank holds
+// (moe.fused_experts maps the global ids through the layer's expert_map): the pair is left
+// out, so the result is this rank's share of the sum (zeros for a token with no local pair).
 //
-// The (token, j) pairs are grouped by expert with a counting sort (stable: each expert's
-// pairs in increasing token order, as the reference gathers them), and each expert with
-// tokens runs its two GEMMs over its tokens only:
+// The (token, j) pairs of local experts are grouped by expert with a counting sort (stable:
+// each expert's pairs in increasing token order, as the reference gathers them), and each
+// expert with tokens runs its two GEMMs over its tokens only:
 // - an expert with 1-4 tokens (decode, and most experts of a small batch) streams its
 //   weights once, as gemv.cpp's small_linear does (M = 1, 2 or 4 rows of x, zero-padded;
 //   fp32 x, fp32 or bf16 weights, fp32 accumulation, the activation kept in fp32); the
@@ -12,10 +15,11 @@
 // - an expert with more tokens gathers them into a block and calls at::linear (oneDNN),
 //   like the reference: for fp32 the same GEMM on the same rows, for bf16 the same bf16
 //   GEMMs with their bf16 intermediates.
-// Each pair's result goes to its own fp32 row of a [T * k, H] buffer, and each token's
-// rows are then summed in a fixed order (by expert id, as the reference's index_add_ over
-// sorted experts adds them, ties in order of j) and rounded once to the hidden dtype: the
-// result does not depend on thread scheduling.
+// Each local pair's result goes to its own fp32 row of a [local pairs, H] buffer (the row of
+// its place in sorted order: an expert's rows are contiguous, remote pairs take none), and
+// each token's rows are then summed in a fixed order (by expert id, as the reference's
+// index_add_ over sorted experts adds them, ties in order of j) and rounded once to the
+// hidden dtype: the result does not depend on thread scheduling.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -98,18 +102,25 @@ void fused_moe_impl(at::Tensor& out, const at::Tensor& hidden, const at::Tensor&
   const int64_t tokens = hidden.size(0), h = hidden.size(1), experts = w13.size(0), inter = w2.size(2);
   const int64_t pairs = tokens * k;
 
-  // Counting sort of the pairs by expert (stable).
+  // Counting sort of the local pairs by expert (stable); slot[p]: pair p's place in sorted
+  // order, -1 for a pair of another rank's expert (id -1).
   std::vector<int64_t> offsets(experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) ++offsets[ids[p] + 1];
+  for (int64_t p = 0; p < pairs; ++p)
+    if (ids[p] >= 0) ++offsets[ids[p] + 1];
   for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
-  std::vector<int64_t> sorted(pairs);
+  const int64_t local_pairs = offsets[experts];
+  std::vector<int64_t> sorted(local_pairs), slot(pairs, -1);
   {
     std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p) sorted[next[ids[p]]++] = p;
+    for (int64_t p = 0; p < pairs; ++p)
+      if (ids[p] >= 0) {
+        slot[p] = next[ids[p]];
+        sorted[next[ids[p]]++] = p;
+      }
   }
 
-  // y[p] = expert ids[p]'s MLP of token p / k, fp32.
-  at::Tensor y = at::empty({pairs, h}, hidden.options().dtype(at::kFloat));
+  // y[i] = expert ids[p]'s MLP of token p / k, fp32, for p = sorted[i].
+  at::Tensor y = at::empty({local_pairs, h}, hidden.options().dtype(at::kFloat));
   float* y_base = y.data_ptr<float>();
   const scalar_t* x_base = hidden.data_ptr<scalar_t>();
   const scalar_t* w13_base = w13.data_ptr<scalar_t>();
@@ -138,11 +149,11 @@ void fused_moe_impl(at::Tensor& out, const at::Tensor& hidden, const at::Tensor&
       for (int64_t i = begin; i < end; ++i)
         silu_mul_row(a + i * inter, gu + i * 2 * inter, gu + i * 2 * inter + inter, inter);
     });
-    at::Tensor out_e = at::linear(act, w2[e]);
+    at::Tensor y_e = y.narrow(0, first, n);  // the expert's rows: contiguous
     if constexpr (std::is_same_v<scalar_t, float>) {
-      y.index_copy_(0, rows, out_e);
+      at::linear_out(y_e, act, w2[e]);
     } else {
-      y.index_copy_(0, rows, out_e.to(at::kFloat));
+      y_e.copy_(at::linear(act, w2[e]));
     }
   }
 
@@ -193,22 +204,25 @@ void fused_moe_impl(at::Tensor& out, const at::Tensor& hidden, const at::Tensor&
       }
     });
     for (const Stream& s : streams)
-      for (int64_t i = 0; i < s.n; ++i)
-        std::memcpy(y_base + sorted[s.first + i] * h, ys_p + (s.buf + i) * h, h * sizeof(float));
+      std::memcpy(y_base + s.first * h, ys_p + s.buf * h, s.n * h * sizeof(float));
   }
 
-  // out[t] = sum of its k weighted rows, in order of expert id (then j), from 0.
+  // out[t] = sum of its local pairs' weighted rows, in order of expert id (then j), from 0
+  // (zeros for a token whose experts are all remote).
   scalar_t* o_base = out.data_ptr<scalar_t>();
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> order(k);
+    std::vector<int64_t> order;
+    order.reserve(k);
     std::vector<float> acc(h);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t j = 0; j < k; ++j) order[j] = t * k + j;
+      order.clear();
+      for (int64_t j = 0; j < k; ++j)
+        if (ids[t * k + j] >= 0) order.push_back(t * k + j);
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p : order) {
         const float wt = weights[p];
-        const float* yr = y_base + p * h;
+        const float* yr = y_base + slot[p] * h;
 #pragma omp simd
         for (int64_t c = 0; c < h; ++c) acc[c] += yr[c] * wt;
       }
@@ -224,7 +238,8 @@ void fused_moe_impl(at::Tensor& out, const at::Tensor& hidden, const at::Tensor&
 
 // out [T, H] = the experts' weighted sum for hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]
 // (fp32 or bf16, all one dtype), topk_weights [T, k] (any float dtype, read as fp32),
-// topk_ids [T, k] (int32 or int64, each in [0, E)).
+// topk_ids [T, k] (int32 or int64, each in [0, E), or -1: a pair of an expert this rank
+// does not hold, left out).
 void fused_moe(at::Tensor out, const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
   const at::ScalarType dtype = hidden.scalar_type();
@@ -248,7 +263,7 @@ void fused_moe(at::Tensor out, const at::Tensor& hidden, const at::Tensor& w13, 
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
   const int64_t* id_p = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < tokens * k; ++p)
-    TORCH_CHECK(id_p[p] >= 0 && id_p[p] < experts, "fused_moe: expert id ", id_p[p], " out of [0, ", experts, ")");
+    TORCH_CHECK(id_p[p] >= -1 && id_p[p] < experts, "fused_moe: expert id ", id_p[p], " out of [-1, ", experts, ")");
   const at::Tensor x = hidden.contiguous(), w13c = w13.contiguous(), w2c = w2.contiguous();
   with_dtype(dtype, [&](auto tag) {
     fused_moe_impl<decltype(tag)>(out, x, w13c, w2c, weights.data_ptr<float>(), id_p, k);

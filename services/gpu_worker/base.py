@@ -48,6 +48,24 @@ class WorkerBackend(ABC):
         the KV cache exists; nothing where the backend has nothing to record."""
         return None
 
+    def begin_dp_step(self, num_tokens: tuple[int, ...]) -> None:
+        """Expert parallelism over data-parallel engines (``ParallelConfig.dp_lockstep``):
+        before each step every rank of every engine core learns how many tokens each
+        engine core's step holds (0 for an engine with nothing to run), in engine order.
+        The MoE layers size their dispatch by it; nothing for a backend without them."""
+        return None
+
+    def execute_dummy(self) -> None:
+        """This engine core has no tokens in a step the others run (``dp_lockstep``): take
+        part in the expert layers' collectives with none of its own (vLLM's dummy
+        forward), so the other engine cores' tokens reach this rank's experts."""
+        return None
+
+    def expert_load(self) -> list[int] | None:
+        """Routed (token, expert) pairs per expert over every MoE layer since the last call,
+        as this rank saw them; None for a model without experts."""
+        return None
+
     def kv_cache_bytes_per_block(self) -> int:
         """This rank's bytes per KV block (its shard of every layer it holds); 0 where
         the backend holds no KV."""

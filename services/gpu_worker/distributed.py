@@ -20,9 +20,15 @@ from services.config import ConfigError, ModelArchConfig, ParallelConfig
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's coordinates: global ``rank`` of ``world_size``; its tensor-parallel
-    rank and group (None for one rank: no collectives); its pipeline stage and the
-    layers ``[layer_start, layer_end)`` that stage holds (None: all of them)."""
+    """This rank's coordinates: global ``rank`` of ``world_size`` (its engine core's
+    ranks); its tensor-parallel rank and group (None for one rank: no collectives); its
+    pipeline stage and the layers ``[layer_start, layer_end)`` that stage holds (None: all
+    of them).
+
+    Expert parallelism: ``ep_rank`` of ``ep_size`` ranks hold the experts. With engine
+    cores in lock-step (``dp_size`` > 1) this is engine ``dp_rank``; ``dp_group`` joins
+    this TP rank of every engine core, ``step_group`` (gloo, on the CPU) every rank of
+    every engine core for the per-step agreement."""
 
     rank: int = 0
     world_size: int = 1
@@ -32,6 +38,12 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     layers: tuple[int, int] | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+    step_group: Any = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -105,28 +117,31 @@ class HeadShard:
 
 
 def init_distributed(
-    parallel: ParallelConfig, rank: int, device: str, num_layers: int
+    parallel: ParallelConfig, rank: int, device: str, num_layers: int, dp_rank: int = 0
 ) -> ParallelState:
-    """Join the group of ``parallel.world_size`` ranks (a no-op for one rank) and make
-    one TP group per pipeline stage.
+    """Join the group of ``parallel.group_world_size`` ranks (a no-op for one rank) and
+    make one TP group per pipeline stage (per engine core, with engine cores in lock-step:
+    then also one group per TP rank across the engine cores, and a gloo group of all).
 
     Raises ``ConfigError`` naming this rank, the address and the timeout when the group
     does not form in time (a rank or node that never started, or a wrong address)."""
-    world = parallel.world_size
+    world = parallel.group_world_size
     if world == 1:
-        return SINGLE_RANK
+        return rank_state(parallel, rank, num_layers)
     if parallel.master_port is None:
         raise RuntimeError("--master-port is unresolved: the launcher picks one before start")
+    global_rank = dp_rank * parallel.world_size + rank if parallel.dp_lockstep else rank
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(global_rank % torch.cuda.device_count())
     address = f"{parallel.master_addr}:{parallel.master_port}"
+    timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
     try:
         dist.init_process_group(
             "nccl" if device == "cuda" else "gloo",
             init_method=f"tcp://{address}",
-            rank=rank,
+            rank=global_rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=parallel.distributed_timeout),
+            timeout=timeout,
         )
     except (RuntimeError, ValueError) as e:  # torch raises DistStoreError (a RuntimeError)
         raise ConfigError(
@@ -134,20 +149,36 @@ def init_distributed(
             f"within {parallel.distributed_timeout:.0f} s ({e})"
         ) from None
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if parallel.dp_lockstep:
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        dp = parallel.data_parallel_size
+        tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+        dp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+        step = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+        return rank_state(
+            parallel, rank, num_layers, tp_groups[dp_rank], dp_rank, dp_groups[rank % tp], step
+        )
     group: Any = dist.group.WORLD
     if pp > 1:
-        # Every rank creates every group, in the same order (torch.distributed's rule).
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         group = groups[rank // tp]
     return rank_state(parallel, rank, num_layers, group)
 
 
 def rank_state(
-    parallel: ParallelConfig, rank: int, num_layers: int, group: Any = None
+    parallel: ParallelConfig,
+    rank: int,
+    num_layers: int,
+    group: Any = None,
+    dp_rank: int = 0,
+    dp_group: Any = None,
+    step_group: Any = None,
 ) -> ParallelState:
-    """Rank ``rank``'s coordinates in the layout; ``group``: its TP group, if one was formed
-    (a backend without collectives, such as the simulated one, forms none)."""
-    tp = parallel.tensor_parallel_size
+    """Rank ``rank`` of engine ``dp_rank``'s coordinates in the layout; ``group``: its TP
+    group, if one was formed (a backend without collectives, such as the simulated one,
+    forms none); ``dp_group``, ``step_group``: as ``init_distributed`` formed them."""
+    tp, ep = parallel.tensor_parallel_size, parallel.expert_parallel_size
+    lockstep = parallel.dp_lockstep
     return ParallelState(
         rank=rank,
         world_size=parallel.world_size,
@@ -157,6 +188,12 @@ def rank_state(
         pp_rank=rank // tp,
         pp_size=parallel.pipeline_parallel_size,
         layers=parallel.stage_layers(num_layers)[rank // tp],
+        ep_rank=((dp_rank * tp if lockstep else 0) + rank % tp) if ep > 1 else 0,
+        ep_size=ep,
+        dp_rank=dp_rank if lockstep else 0,
+        dp_size=parallel.data_parallel_size if lockstep else 1,
+        dp_group=dp_group,
+        step_group=step_group,
     )
 
 

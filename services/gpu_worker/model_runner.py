@@ -28,7 +28,8 @@ from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_all, capture_sizes
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState, StageLink
 from services.gpu_worker.input_batch import InputBatch
-from services.gpu_worker.model.llama import CheckpointTensor, LlamaForCausalLM
+from services.gpu_worker.model.llama import CheckpointTensor, LlamaDecoderLayer, LlamaForCausalLM
+from services.gpu_worker.model.moe import SparseMoeBlock
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.step_inputs import StepBuffers
 from services.logging_utils import init_logger
@@ -173,6 +174,15 @@ class ModelRunner(WorkerBackend):
         if int8 and not self.model.int8_linears():
             raise ModelLoadError(only_quantized)
         self.num_layers = len(self.model.model.layers)  # this pipeline stage's
+        if parallel.ep_size > 1:
+            first = parallel.ep_rank * (arch.num_experts // parallel.ep_size)
+            logger.info(
+                "expert parallelism (EP %d = TP %d x DP %d): engine %d rank %d holds experts "
+                "[%d, %d) of %d",
+                parallel.ep_size, parallel.tp_size, parallel.ep_size // parallel.tp_size,
+                parallel.dp_rank, parallel.tp_rank, first,
+                first + arch.num_experts // parallel.ep_size, arch.num_experts,
+            )  # fmt: skip
         self.link = StageLink(parallel, arch.hidden_size, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.input_batch = InputBatch(
@@ -262,6 +272,7 @@ class ModelRunner(WorkerBackend):
             self.block_size,
             self.device,
         )
+        self.begin_dp_step((num_tokens,) * self.parallel.dp_size)  # every rank profiles alike
         with torch.inference_mode():
             zeros = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype)
             out = self.model(
@@ -315,6 +326,8 @@ class ModelRunner(WorkerBackend):
             why_not = "--enforce-eager"
         elif self.parallel.tp_size > 1 or self.parallel.pp_size > 1:
             why_not = "tensor or pipeline parallelism (graphs are captured for one rank)"
+        elif self.parallel.ep_size > 1:
+            why_not = "expert parallelism (its dispatch sizes change every step)"
         if why_not is not None:
             logger.info("no CUDA graphs: %s; decode steps run eagerly", why_not)
             return
@@ -375,6 +388,26 @@ class ModelRunner(WorkerBackend):
         return self.kv_caches, layout
 
     # ------------------------------------------------------------------ step
+
+    def begin_dp_step(self, num_tokens: tuple[int, ...]) -> None:
+        if (dispatch := self.model.model.expert_dispatch) is not None:
+            dispatch.begin_step(num_tokens)
+
+    def execute_dummy(self) -> None:
+        dispatch = self.model.model.expert_dispatch
+        if dispatch is None:
+            return
+        blocks = [
+            layer.mlp
+            for layer in self.model.model.layers
+            if isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, SparseMoeBlock)
+        ]
+        with torch.inference_mode():
+            dispatch.dummy_forward(blocks, self.arch.hidden_size, self.dtype, self.device)
+
+    def expert_load(self) -> list[int] | None:
+        dispatch = self.model.model.expert_dispatch
+        return None if dispatch is None else dispatch.take_load()
 
     def execute(self, plan: StepPlan) -> StepResult:
         batch = self.input_batch

@@ -24,6 +24,8 @@ from services.flags import ConfigError
 from services.gc_tuning import freeze_gc
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed, rank_state
+from services.gpu_worker.expert_load import ExpertLoadReport
+from services.gpu_worker.lockstep import DPLockstep, run_agreed_step
 from services.ipc import PushSocket, SubSocket, report_ready
 from services.kv_cache.capacity import check_kv_capacity
 from services.kv_transfer.base import KVConnectorWorker, create_worker_connector
@@ -41,19 +43,22 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     capacity error (not even one request fits) ends it with ConfigError."""
     engine = config.engine
     endpoints = config.endpoints.for_engine(dp_rank)
-    if engine.parallel.master_port is not None:  # each engine's ranks form their own group
-        engine.parallel.master_port += dp_rank
+    lockstep = engine.parallel.dp_lockstep
+    if engine.parallel.master_port is not None and not lockstep:
+        engine.parallel.master_port += dp_rank  # each engine's ranks form their own group
     folder = Path(config.model_folder)
     arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
     backend = load_backend(
         WORKER_BACKENDS, "worker backend", engine.worker.worker_backend, WorkerBackend
     )
     layers = arch.num_hidden_layers
-    parallel = (
-        init_distributed(engine.parallel, rank, engine.worker.resolved_device(), layers)
-        if backend.uses_collectives
-        else rank_state(engine.parallel, rank, layers)
-    )
+    if backend.uses_collectives:
+        device = engine.worker.resolved_device()
+        parallel = init_distributed(engine.parallel, rank, device, layers, dp_rank)
+    elif lockstep:  # no collectives of its own (the simulated backend), but the agreement
+        parallel = init_distributed(engine.parallel, rank, "cpu", layers, dp_rank)
+    else:
+        parallel = rank_state(engine.parallel, rank, layers)
     worker: WorkerBackend = backend(engine, folder, parallel)
     num_blocks = worker.determine_num_blocks()
     # Fail early when this rank cannot hold one request; the scheduler logs the pool.
@@ -78,6 +83,8 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     device = device_seconds(config, rank, dp_rank)
     device_last = (0.0, 0.0)
     trace = StepTrace.from_env(rank, dp_rank)
+    load = ExpertLoadReport.for_rank(config, worker, parallel, dp_rank)
+    agreement = DPLockstep(parallel) if lockstep else None
     freeze_gc()
     report_ready(
         control_endpoint,
@@ -100,23 +107,38 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         # blocks still queued for the disk, for a few seconds). Not in the handler itself:
         # it may interrupt the connector holding a lock its shutdown needs.
         signal.signal(signal.SIGTERM, _raise_stop)
+    pending: StepPlan | None = None  # in lock-step: a plan held until the ranks agree
     try:
         while True:
-            ready = dict(poller.poll())
+            wait_ms = None if agreement is None else 0 if pending else int(agreement.poll_s * 1e3)
+            ready = dict(poller.poll(wait_ms))
             if lost in ready:
                 logger.info(
                     "worker rank %d: the scheduler at %s went away; exiting", rank, plans.endpoint
                 )
                 break
-            plan = plans.recv_nowait()
-            if plan is None:
-                continue
+            if pending is None:
+                pending = plans.recv_nowait()
             start = clock.perf_counter()
-            if connector is not None:
+            agreed = None if agreement is None else agreement.agree(pending)
+            if agreement is not None and agreed is None:
+                continue  # nothing to run, or an engine's ranks do not all have its plan
+            plan, pending = pending, None
+            if plan is None and agreed is None:
+                continue
+            if plan is not None and connector is not None:
                 connector.bind_connector_metadata(plan.kv_connector_metadata)
                 connector.start_load_kv()
-            result = worker.execute(plan)
+            if agreed is not None:
+                result = run_agreed_step(worker, agreed, plan, parallel.dp_rank)
+            else:
+                assert plan is not None
+                result = worker.execute(plan)
             end = clock.perf_counter()
+            if load is not None:
+                load.maybe_report()
+            if plan is None:
+                continue
             forward_time.observe(end - start)
             if (seen := worker.device_seconds()) is not None:
                 for state, total, last in zip(("busy", "idle"), seen, device_last, strict=True):
@@ -125,6 +147,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
             if trace is not None:
                 trace.record(plan, start, end)
             if results is not None:
+                assert result is not None
                 results.send(result)
         if connector is not None:
             # The launcher's SIGTERM may follow the scheduler's exit: from here it is

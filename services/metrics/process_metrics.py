@@ -54,6 +54,15 @@ def device_seconds(config: ServeConfig, rank: int = 0, engine_index: int = 0) ->
     return {s: counter.labels(*labels, str(rank), s) for s in ("busy", "idle")}
 
 
+def expert_tokens(config: ServeConfig, engine_index: int = 0) -> Any:
+    """``actorserve:expert_tokens_total{expert,ep_rank}``: (token, expert) pairs the router
+    sent to each expert, over every MoE layer; ``ep_rank``: the rank holding it (0 without
+    expert parallelism). Reported once per engine core (once for all of them in lock-step)."""
+    return Counter("actorserve:expert_tokens", "Tokens routed to each expert (all MoE layers).",
+                   (*LABEL_NAMES, "expert", "ep_rank"), registry=None), label_values(
+                       config, engine_index)  # fmt: skip
+
+
 def api_requests(model_name: str, engine_index: int = 0) -> Any:
     """``actorserve:api_requests``: engine requests the api_server sent (one per choice)."""
     return Counter("actorserve:api_requests", "Engine requests sent by the api_server.",

@@ -21,14 +21,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, ReaderTensor
 from safetensors.torch import save_file
 
 from services.model_loader.errors import ModelLoadError
 from services.model_loader.gguf_tensors import (
     IGNORED_TENSORS,
+    ROUTER_TENSOR,
+    STACKED_EXPERT_TENSORS,
     GGUFBlocks,
+    dequantize_array,
     dequantize_tensor,
+    hf_expert_names,
     hf_tensor_name,
     to_torch,
     unpermute_rotary,
@@ -36,9 +40,10 @@ from services.model_loader.gguf_tensors import (
 from services.model_loader.gguf_tokenizer import build_tokenizer_files
 
 GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
+    "llama": ("LlamaForCausalLM", "llama"),  # Mixtral too, when it has experts
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 SHARD_BYTES = 4 << 30
 _PROGRESS_EVERY = 50
@@ -93,7 +98,9 @@ def hf_config_from_gguf(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) 
             "model_type": model_type,
             "vocab_size": int(get("vocab_size") or tensors["token_embd.weight"].shape[1]),
             "hidden_size": int(get("embedding_length")),
-            "intermediate_size": int(get("feed_forward_length")),
+            "intermediate_size": int(
+                get("feed_forward_length") or get("expert_feed_forward_length")
+            ),
             "num_hidden_layers": int(get("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -114,6 +121,8 @@ def hf_config_from_gguf(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) 
     config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
         config["mlp_bias"] = False
+    if get("expert_count") or arch == "qwen3moe":
+        config.update(_moe_config(meta, arch, tensors, config))
     rope_scaling = _rope_scaling(meta, arch, tensors, config["head_dim"], config["rope_theta"])
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -132,6 +141,98 @@ def hf_config_from_gguf(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) 
         eos = list(dict.fromkeys(eos))
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return config
+
+
+def _moe_config(
+    meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor], config: dict[str, Any]
+) -> dict[str, Any]:
+    """The mixture-of-experts fields of the HF config, as llama.cpp reads the file.
+
+    ``qwen3moe`` becomes Qwen3-MoE; ``llama`` with ``llama.expert_count`` is Mixtral as
+    llama.cpp's converter writes it. Routing is softmax, top ``expert_used_count``,
+    renormalised: llama.cpp's graph renormalises for both architectures whatever HF's
+    ``norm_topk_prob`` was (its converter does not write it for them); for Qwen3-MoE an
+    explicit ``qwen3moe.expert_weights_norm`` is honoured. Qwen3-MoE layers without a router
+    (``blk.N.ffn_gate_inp``) become ``mlp_only_layers`` with a dense MLP.
+    """
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    experts, used = get("expert_count"), get("expert_used_count")
+    for key, value in (("expert_count", experts), ("expert_used_count", used)):
+        if value is None:
+            raise ModelLoadError(
+                f"GGUF file lacks {arch}.{key} needed to build the mixture-of-experts config"
+            )
+    experts, used = int(experts), int(used)
+    gating = get("expert_gating_func")
+    if gating is not None and int(gating) != ExpertGatingFuncType.SOFTMAX:
+        raise ModelLoadError(
+            f"GGUF file routes its experts with gating function {int(gating)}; supported: "
+            f"softmax ({int(ExpertGatingFuncType.SOFTMAX)})"
+        )
+    if int(get("expert_shared_count") or 0):
+        raise ModelLoadError("GGUF file has shared experts, which are not supported")
+    layers = config["num_hidden_layers"]
+    moe_layers = [i for i in range(layers) if f"blk.{i}.{ROUTER_TENSOR}.weight" in tensors]
+    if not moe_layers:
+        raise ModelLoadError(
+            f"GGUF file says {arch}.expert_count = {experts} but has no expert router "
+            f"(blk.N.{ROUTER_TENSOR}.weight)"
+        )
+    for layer in moe_layers:
+        _check_expert_tensors(tensors, layer, experts)
+    width = get("expert_feed_forward_length")
+    if width is None:  # Mixtral: the experts' width is feed_forward_length
+        stacked = tensors.get(f"blk.{moe_layers[0]}.ffn_gate_exps.weight")
+        width = int(stacked.shape[1]) if stacked is not None else config["intermediate_size"]
+    if arch == "qwen3moe":
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": int(width),
+            "norm_topk_prob": bool(get("expert_weights_norm", True)),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(layers) if i not in moe_layers],
+        }
+    if arch != "llama":
+        raise ModelLoadError(f"GGUF architecture {arch!r} with experts is not supported")
+    if len(moe_layers) != layers:
+        dense = sorted(set(range(layers)) - set(moe_layers))
+        raise ModelLoadError(
+            f"GGUF file (llama with experts: Mixtral) has layers without an expert router "
+            f"(blk.{dense[0]}.{ROUTER_TENSOR}.weight); Mixtral's layers all have experts"
+        )
+    config.pop("mlp_bias", None)
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": int(width),
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+    }
+
+
+def _check_expert_tensors(tensors: dict[str, ReaderTensor], layer: int, experts: int) -> None:
+    """Every projection of MoE layer ``layer``'s experts is there: stacked
+    (``blk.N.ffn_gate_exps``, ``experts`` of them) or one tensor per expert (older files)."""
+    for stacked in STACKED_EXPERT_TENSORS:
+        name = f"blk.{layer}.{stacked}.weight"
+        t = tensors.get(name)
+        if t is not None:
+            if len(t.shape) != 3 or int(t.shape[2]) != experts:
+                raise ModelLoadError(
+                    f"GGUF tensor {name} has shape {tuple(int(d) for d in reversed(t.shape))}; "
+                    f"expected {experts} stacked experts (expert_count)"
+                )
+            continue
+        kind = stacked.removesuffix("_exps")
+        if not all(f"blk.{layer}.{kind}.{e}.weight" in tensors for e in range(experts)):
+            raise ModelLoadError(
+                f"GGUF file lacks {name}: the {kind.removeprefix('ffn_')} projections of "
+                f"the experts of MoE layer {layer}"
+            )
 
 
 def _rope_scaling(
@@ -195,13 +296,20 @@ def _hf_tensors(
     reader: GGUFReader, config: dict[str, Any], keep: Collection[int]
 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """(HF name, tensor) for every model tensor in the file: dense, except matrices whose
-    ggml type is in ``keep``, which come as their blocks (``GGUFBlocks``)."""
-    permute = config["model_type"] == "llama"
+    ggml type is in ``keep``, which come as their blocks (``GGUFBlocks``). A stacked expert
+    tensor comes as its experts' matrices, one by one."""
+    permute = config["model_type"] in ("llama", "mixtral")  # llama.cpp permutes both
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    moe_module = "block_sparse_moe" if config["model_type"] == "mixtral" else "mlp"
+    num_experts = _num_experts(config)
     for t in reader.tensors:
         if t.name in IGNORED_TENSORS:
             continue
-        name = hf_tensor_name(t.name)
+        experts = hf_expert_names(t.name, num_experts, moe_module) if num_experts else None
+        if experts is not None:
+            yield from _split_experts(t, experts, keep)
+            continue
+        name = hf_tensor_name(t.name, moe_module)
         if name is None:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
         qtype = GGMLQuantizationType(t.tensor_type)
@@ -222,6 +330,39 @@ def _hf_tensors(
         if n_head:
             array = unpermute_rotary(array, n_head)
         yield name, to_torch(array, qtype)
+
+
+def _num_experts(config: dict[str, Any]) -> int:
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def _split_experts(
+    t: ReaderTensor, names: list[str], keep: Collection[int]
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """A stacked expert tensor (torch shape [E, rows, cols]) as its experts' matrices: each
+    expert's rows are whole GGUF rows, so a quantized one is a slice of the blocks."""
+    qtype = GGMLQuantizationType(t.tensor_type)
+    if len(t.shape) != 3 or int(t.shape[2]) != len(names):
+        raise ModelLoadError(
+            f"GGUF tensor {t.name} has shape {tuple(int(d) for d in reversed(t.shape))}; "
+            f"expected {len(names)} stacked experts"
+        )
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    data = np.asarray(t.data)  # [E, rows, cols] or, quantized, [E, rows, row bytes]
+    for expert, name in enumerate(names):
+        if qtype in keep:
+            blocks = torch.from_numpy(np.array(data[expert]))  # a writable copy of the map
+            yield name, GGUFBlocks(blocks, int(qtype), (rows, cols))
+        else:
+            dense = dequantize_array(data[expert], qtype, (rows, cols), t.name)
+            yield name, to_torch(dense, qtype)
+
+
+def _num_hf_tensors(tensors: dict[str, ReaderTensor], config: dict[str, Any]) -> int:
+    """How many tensors ``iter_hf_tensors`` yields (stacked experts count one each)."""
+    experts = _num_experts(config)
+    stacked = sum(1 for name in tensors if hf_expert_names(name, 1) is not None)
+    return len(tensors) + stacked * (experts - 1) if experts else len(tensors)
 
 
 def source_record(gguf_path: Path) -> dict[str, Any]:
@@ -333,7 +474,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         for fname, text in tokenizer_files.items():
             (tmp / fname).write_text(text, encoding="utf-8")
         label = f"converting {gguf_path.name}"
-        write_safetensors(_progress(iter_hf_tensors(reader, config), len(tensors), label), tmp)
+        total = _num_hf_tensors(tensors, config)
+        write_safetensors(_progress(iter_hf_tensors(reader, config), total, label), tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "source.json").write_text(json.dumps(source_record(gguf_path)))
         try:

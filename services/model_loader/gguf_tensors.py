@@ -4,6 +4,15 @@ llama.cpp names tensors ``blk.N.attn_q.weight`` and so on; HF names them
 ``model.layers.N.self_attn.q_proj.weight``. Both store a Linear weight as (out, in) once the
 GGUF shape (innermost first) is reversed, so apart from names only two things change: quantized
 blocks are expanded to floats, and Llama's q/k rows are put back in HF's rotary order.
+
+Mixture-of-experts layers (Qwen3-MoE, Mixtral): llama.cpp stacks each projection of every
+expert into one tensor, ``blk.N.ffn_{gate,up,down}_exps.weight`` (torch shape [E, rows, cols],
+each expert's matrix in HF layout), and names the router ``blk.N.ffn_gate_inp.weight``
+([E, H]). ``hf_expert_names`` gives the HF names of a stacked tensor's experts, in order:
+``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` (Qwen3-MoE) or
+``model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight`` (Mixtral). Mixtral files
+written before llama.cpp stacked them (early 2024) hold one tensor per expert,
+``blk.N.ffn_gate.E.weight``; ``hf_tensor_name`` maps those.
 """
 
 from __future__ import annotations
@@ -43,6 +52,17 @@ IGNORED_TENSORS = frozenset(
 )
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+# The MoE block's module in HF checkpoints -> its experts' (gate, up, down) projection names.
+EXPERT_PROJECTIONS = {
+    "mlp": ("gate_proj", "up_proj", "down_proj"),  # Qwen3-MoE
+    "block_sparse_moe": ("w1", "w3", "w2"),  # Mixtral
+}
+# llama.cpp's stacked expert tensors -> index into EXPERT_PROJECTIONS' triples.
+STACKED_EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+ROUTER_TENSOR = "ffn_gate_inp"
+_STACKED_RE = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
+
 # Types we have exercised; anything else gguf.quants can expand is accepted too.
 TESTED_TYPES = (
     GGMLQuantizationType.F32,
@@ -56,14 +76,34 @@ TESTED_TYPES = (
 )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name for a GGUF tensor name, or None if it has no HF counterpart."""
+def hf_tensor_name(gguf_name: str, moe_module: str = "mlp") -> str | None:
+    """The HF parameter name for a GGUF tensor name, or None if it has no HF counterpart
+    (or is a stacked expert tensor: ``hf_expert_names``). ``moe_module``: the MoE block's
+    module name in HF checkpoints (``mlp``, or Mixtral's ``block_sparse_moe``)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_TENSORS:
         return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) == ROUTER_TENSOR and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{moe_module}.gate.weight"
+    legacy = _LEGACY_EXPERT_RE.fullmatch(gguf_name)
+    if legacy:
+        layer, kind, expert = legacy.groups()
+        proj = EXPERT_PROJECTIONS[moe_module][STACKED_EXPERT_TENSORS[kind + "_exps"]]
+        return f"model.layers.{layer}.{moe_module}.experts.{expert}.{proj}.weight"
     return None
+
+
+def hf_expert_names(gguf_name: str, num_experts: int, moe_module: str = "mlp") -> list[str] | None:
+    """The HF names of a stacked expert tensor's ``num_experts`` matrices (expert order),
+    or None if ``gguf_name`` is not one."""
+    m = _STACKED_RE.fullmatch(gguf_name)
+    if m is None:
+        return None
+    proj = EXPERT_PROJECTIONS[moe_module][STACKED_EXPERT_TENSORS[m.group(2)]]
+    prefix = f"model.layers.{m.group(1)}.{moe_module}.experts."
+    return [f"{prefix}{e}.{proj}.weight" for e in range(num_experts)]
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -79,17 +119,24 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 def dequantize_tensor(t: ReaderTensor) -> np.ndarray:
     """The tensor as a dense array in HF layout (out, in): float32 for quantized types, else as
     stored (F32/F16; BF16 comes back as its raw uint16 bits, see ``to_torch``)."""
-    qtype = GGMLQuantizationType(t.tensor_type)
     shape = tuple(int(d) for d in reversed(t.shape))
+    return dequantize_array(np.asarray(t.data), GGMLQuantizationType(t.tensor_type), shape, t.name)
+
+
+def dequantize_array(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], name: str
+) -> np.ndarray:
+    """``data`` (a GGUF tensor's, or a part of whole rows of it) as ``dequantize_tensor``
+    returns it, in ``shape``; ``name`` is for the error."""
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return np.asarray(t.data).reshape(shape)
+        return data.reshape(shape)
     if qtype == GGMLQuantizationType.BF16:
-        return np.asarray(t.data).view(np.uint16).reshape(shape)
+        return data.view(np.uint16).reshape(shape)
     try:
-        out = dequantize(np.asarray(t.data), qtype)
+        out = dequantize(data, qtype)
     except NotImplementedError:
         raise ModelLoadError(
-            f"tensor {t.name} uses GGML type {qtype.name}, which cannot be dequantized; "
+            f"tensor {name} uses GGML type {qtype.name}, which cannot be dequantized; "
             f"supported: {', '.join(q.name for q in TESTED_TYPES)} and the other types gguf.quants knows"
         ) from None
     return out.reshape(shape)

@@ -40,6 +40,7 @@ from torch import nn
 from services.config import ModelArchConfig
 from services.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState
+from services.gpu_worker.model.expert_dispatch import ExpertDispatch
 from services.gpu_worker.model.fused_decode import FusedDecodeWeights, fused_decode_layers
 from services.gpu_worker.model.layers import (
     Linear,
@@ -165,11 +166,14 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         parallel: ParallelState,
         layer: int = 0,
+        dispatch: ExpertDispatch | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, attn_backend, rotary_emb, parallel)
         self.mlp: LlamaMLP | SparseMoeBlock = (
-            SparseMoeBlock(arch, parallel) if arch.is_moe_layer(layer) else LlamaMLP(arch, parallel)
+            SparseMoeBlock(arch, parallel, dispatch)
+            if arch.is_moe_layer(layer)
+            else LlamaMLP(arch, parallel)
         )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -216,8 +220,12 @@ class LlamaModel(nn.Module):
         # What the attention backend derives from a step's metadata, once per step.
         self.attn_builder = attn_backend.builder(heads.num_heads, heads.num_kv_heads, arch.head_dim)
         self.layer_start, layer_end = parallel.layer_range(arch.num_hidden_layers)
+        # The MoE layers' shared state: the step's token counts, the experts' load.
+        self.expert_dispatch = ExpertDispatch(parallel, arch.num_experts) if arch.is_moe else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attn_backend, self.rotary_emb, parallel, i)
+            LlamaDecoderLayer(
+                arch, attn_backend, self.rotary_emb, parallel, i, self.expert_dispatch
+            )
             for i in range(self.layer_start, layer_end)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if parallel.is_last_stage else None
@@ -398,8 +406,9 @@ class LlamaForCausalLM(nn.Module):
         params: dict[str, nn.Parameter],
         loaded: set[str],
     ) -> bool:
-        """One expert's projection into its MoE block's stacked ``w13``/``w2``; True if
-        ``hf_name`` was one."""
+        """One expert's projection into its MoE block's stacked ``w13``/``w2``, or, GGUF
+        blocks the CPU kernels read, kept quantized (``SparseMoeBlock.load_quantized_expert``);
+        True if ``hf_name`` was one."""
         found = expert_param(hf_name)
         if found is None:
             return False
@@ -408,12 +417,17 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {hf_name!r} matches no model parameter")
         block = self.get_submodule(name.rsplit(".", 1)[0])
         assert isinstance(block, SparseMoeBlock)
-        dense = tensor.dequantize() if isinstance(tensor, GGUFBlocks) else tensor
+        param = name.rsplit(".", 1)[1]
         try:
-            block.load_expert(name.rsplit(".", 1)[1], expert, shard, dense.to(params[name].dtype))
+            local = block.load_quantized_expert(param, expert, shard, tensor, self.int8_activations)
+            if not local:
+                if isinstance(tensor, GGUFBlocks):  # expanded only if this rank holds it
+                    tensor = tensor.dequantize() if block.is_local(expert) else torch.empty(0)
+                local = block.load_expert(param, expert, shard, tensor.to(params[name].dtype))
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {hf_name!r}: {e}") from None
-        loaded.add(f"{name}#{expert}:{shard}")
+        if local:  # else another expert-parallel rank holds it
+            loaded.add(f"{name}#{expert}:{shard}")
         return True
 
     def reset_kv_scales(self) -> None:
@@ -565,18 +579,18 @@ class LlamaForCausalLM(nn.Module):
         size = layer.mlp.intermediate_size
         return shard * size, size
 
-    @staticmethod
-    def _expected_shards(params: dict[str, nn.Parameter]) -> Iterable[tuple[str, object]]:
+    def _expected_shards(self, params: dict[str, nn.Parameter]) -> Iterable[tuple[str, object]]:
         for name in params:
             if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
                 yield from ((name, s) for s in ("q", "k", "v"))
             elif name.endswith("gate_up_proj.weight"):
                 yield from ((name, s) for s in (0, 1))
-            elif name.endswith(".mlp.w13"):
-                experts = params[name].shape[0]
-                yield from ((name, f"{e}:{s}") for e in range(experts) for s in (0, 1))
-            elif name.endswith(".mlp.w2"):
-                yield from ((name, f"{e}:None") for e in range(params[name].shape[0]))
+            elif name.endswith((".mlp.w13", ".mlp.w2")):
+                block = self.get_submodule(name.rsplit(".", 1)[0])
+                assert isinstance(block, SparseMoeBlock)
+                experts = range(block.expert_start, block.expert_start + block.num_local_experts)
+                shards = (0, 1) if name.endswith("w13") else (None,)
+                yield from ((name, f"{e}:{s}") for e in experts for s in shards)
             else:
                 yield name, None
 
