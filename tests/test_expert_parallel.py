@@ -35,7 +35,7 @@ from services.gpu_worker.model.expert_dispatch import ExpertDispatch
 from services.gpu_worker.model.moe import SparseMoeBlock
 from services.model_loader import load_hf_config, prepare_model
 from tests.server_utils import RemoteServer, free_port, metric
-from tests.test_moe_model import NUM_NEW, VOCAB, _hf_config, _hf_model, _save
+from tests.test_moe_model import NUM_NEW, VOCAB, _hf_config, _hf_model, _save, greedy_with_cache
 from tests.test_server_faults import StreamInThread
 
 # ---------------------------------------------------------------- the dispatch alone
@@ -124,14 +124,7 @@ def moe_model(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]
     folder = _save("qwen3_moe", model, tmp_path_factory.mktemp("qwen3_moe_ep"))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 23, 40, 71)]
-    greedy = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NUM_NEW):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            greedy.append(ids[len(prompt) :])
-    return folder, prompts, greedy
+    return folder, prompts, [greedy_with_cache(model, p) for p in prompts]
 
 
 def test_tp2_with_expert_parallel_equals_hf(moe_model) -> None:

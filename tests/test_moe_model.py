@@ -101,6 +101,19 @@ def _save(kind: str, model, folder: Path) -> Path:
     return folder
 
 
+def greedy_with_cache(model, prompt: list[int]) -> list[int]:
+    """HF's greedy continuation with its KV cache; EOS does not stop it."""
+    out: list[int] = []
+    cache, cur = None, torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(NUM_NEW):
+            res = model(input_ids=cur, cache=cache, use_cache=True)
+            cache = res.cache
+            out.append(int(res.logits[0, -1].argmax()))
+            cur = torch.tensor([[out[-1]]])
+    return out
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def moe(request, tmp_path_factory):
     """(kind, HF folder, HF model)."""
@@ -118,14 +131,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_greedy(moe, prompts) -> list[list[int]]:
     _, _, model = moe
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NUM_NEW):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(prompt) :])
-    return out
+    return [greedy_with_cache(model, p) for p in prompts]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ import torch
 from tests.server_utils import RemoteServer, metric, wait_metric
 from tests.test_expert_parallel import _complete
 from tests.test_kv_transfer import _p2p, pd_proxy
-from tests.test_moe_model import NUM_NEW, VOCAB, _hf_config, _hf_model, _save
+from tests.test_moe_model import VOCAB, _hf_config, _hf_model, _save, greedy_with_cache
 from tests.test_router_engine import router
 
 BLOCK = 16  # the servers' default block size (the router reads it from their /metrics)
@@ -43,19 +43,6 @@ ROUNDS = [[p + [_rng.randrange(3, VOCAB) for _ in range(5)] for p in PREFIXES] f
 PD_PROMPTS = [[_rng.randrange(3, VOCAB) for _ in range(n)] for n in (71, 150)]
 
 
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    """HF's greedy continuation with its KV cache; EOS does not stop it."""
-    out: list[int] = []
-    cache, cur = None, torch.tensor([prompt])
-    with torch.inference_mode():
-        for _ in range(NUM_NEW):
-            res = model(input_ids=cur, cache=cache, use_cache=True)
-            cache = res.cache
-            out.append(int(res.logits[0, -1].argmax()))
-            cur = torch.tensor([[out[-1]]])
-    return out
-
-
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> tuple[Path, dict[tuple[int, ...], list[int]]]:
     """(HF folder of the small Qwen3-MoE, prompt -> HF's greedy continuation), computed
@@ -66,7 +53,7 @@ def moe(tmp_path_factory) -> tuple[Path, dict[tuple[int, ...], list[int]]]:
     torch.set_num_threads(1)  # a few times faster than two threads on busy shared cores
     try:
         prompts = [*(p for r in ROUNDS for p in r), *PD_PROMPTS]
-        greedy = {tuple(p): _hf_greedy(model, p) for p in prompts}
+        greedy = {tuple(p): greedy_with_cache(model, p) for p in prompts}
     finally:
         torch.set_num_threads(threads)
     return folder, greedy
