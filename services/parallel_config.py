@@ -203,6 +203,16 @@ class ParallelConfig:
                 f"--data-parallel-start-rank {start} with {len(self.local_engines)} local "
                 f"engine cores goes past --data-parallel-size {self.data_parallel_size}"
             )
+        if self.master_port is not None:
+            # engine d's ranks meet at master_port + d; across nodes plans, results and
+            # control use the three ports after it
+            after = 3 if self.nnodes > 1 else 0 if self.dp_lockstep else self.data_parallel_size - 1
+            if not 1 <= self.master_port <= 65535 - after:
+                used = f": the {after} after it are used too" if after else ""
+                raise ConfigError(
+                    f"--master-port must be a port number (1-{65535 - after}{used}), "
+                    f"got {self.master_port}"
+                )
         if not 0 < self.data_parallel_rpc_port < 65535:
             raise ConfigError(
                 f"--data-parallel-rpc-port must be a port number, got {self.data_parallel_rpc_port}"
@@ -240,7 +250,8 @@ class ParallelConfig:
                 f"on {tp} tensor-parallel ranks; use a size that divides {kv_heads} or that "
                 f"{kv_heads} divides"
             )
-        if arch.intermediate_size % tp:
+        dense = any(not arch.is_moe_layer(i) for i in range(arch.num_hidden_layers))
+        if arch.intermediate_size % tp and (dense or not self.enable_expert_parallel):
             raise ConfigError(
                 f"the MLP width ({arch.intermediate_size}) must be divisible by tensor "
                 f"parallel size ({tp})"

@@ -126,13 +126,13 @@ def init_distributed(
     Raises ``ConfigError`` naming this rank, the address and the timeout when the group
     does not form in time (a rank or node that never started, or a wrong address)."""
     world = parallel.group_world_size
+    if device == "cuda":
+        torch.cuda.set_device(local_device_index(parallel, rank, dp_rank))
     if world == 1:
         return rank_state(parallel, rank, num_layers)
     if parallel.master_port is None:
         raise RuntimeError("--master-port is unresolved: the launcher picks one before start")
     global_rank = dp_rank * parallel.world_size + rank if parallel.dp_lockstep else rank
-    if device == "cuda":
-        torch.cuda.set_device(global_rank % torch.cuda.device_count())
     address = f"{parallel.master_addr}:{parallel.master_port}"
     timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
     try:
@@ -163,6 +163,14 @@ def init_distributed(
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         group = groups[rank // tp]
     return rank_state(parallel, rank, num_layers, group)
+
+
+def local_device_index(parallel: ParallelConfig, rank: int, dp_rank: int) -> int:
+    """The GPU of worker ``rank`` of engine ``dp_rank`` among this machine's: the machine's
+    engines in order, each with its ranks on this machine in order."""
+    engine = dp_rank - parallel.local_engines.start
+    local = parallel.local_ranks
+    return (engine * len(local) + rank - local.start) % max(1, torch.cuda.device_count())
 
 
 def rank_state(

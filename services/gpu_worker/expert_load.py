@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from services.config import ServeConfig
+from services.flags import ConfigError
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import ParallelState
 from services.logging_utils import init_logger
@@ -34,7 +35,12 @@ class ExpertLoadReport:
         self.worker = worker
         self._counter, self._labels = counter, labels
         self.ep_size = ep_size
-        self.interval_s = float(os.environ.get(INTERVAL_ENV, INTERVAL_S))
+        try:
+            self.interval_s = float(os.environ.get(INTERVAL_ENV, INTERVAL_S))
+        except ValueError:
+            raise ConfigError(
+                f"{INTERVAL_ENV} must be a number of seconds, got {os.environ[INTERVAL_ENV]!r}"
+            ) from None
         self._last = time.monotonic()
 
     @classmethod
@@ -66,18 +72,21 @@ class ExpertLoadReport:
         for expert, n in enumerate(load):
             if n:
                 self._counter.labels(*self._labels, str(expert), str(expert // per_rank)).inc(n)
-        ranks = [sum(load[r * per_rank : (r + 1) * per_rank]) for r in range(self.ep_size)]
         hottest = max(range(len(load)), key=load.__getitem__)
+        share = 100.0 * load[hottest] / total
+        if self.ep_size == 1:
+            logger.info(
+                "expert load over %.0f s: %d (token, expert) pairs; over the experts imbalance "
+                "(max / mean) %.2f; hottest expert %d (%.1f%%)",
+                seconds, total, imbalance(load), hottest, share,
+            )  # fmt: skip
+            return load
+        ranks = [sum(load[r * per_rank : (r + 1) * per_rank]) for r in range(self.ep_size)]
         logger.info(
             "expert load over %.0f s: %d (token, expert) pairs; per expert-parallel rank %s, "
             "imbalance (max / mean) %.2f; hottest expert %d (%.1f%%)",
-            seconds,
-            total,
-            ranks,
-            imbalance(ranks),
-            hottest,
-            100.0 * load[hottest] / total,
-        )
+            seconds, total, ranks, imbalance(ranks), hottest, share,
+        )  # fmt: skip
         return load
 
 

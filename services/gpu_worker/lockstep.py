@@ -21,6 +21,7 @@ spends on agreements (measured: ~11% of a core at 10 ms, ~2% at 50 ms).
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 
@@ -71,10 +72,24 @@ class DPLockstep:
             v[dp + p.dp_rank] = plan.total_num_scheduled_tokens
         dist.all_reduce(v, group=p.step_group)
         have = v[:dp].tolist()
+        if any(have):
+            self._last_step = time.monotonic()  # busy: poll fast again
         if not any(have) or any(0 < h < p.tp_size for h in have):
             return None
-        self._last_step = time.monotonic()
         return StepAgreement(tuple(int(t) // p.tp_size for t in v[dp:].tolist()))
+
+
+def wait_for_every_rank(parallel: ParallelState, timeout_s: float, what: str) -> None:
+    """A barrier of every engine core's ranks (the first agreement, a start-up profile's
+    collectives) with start-up's timeout: engines may finish loading minutes apart, longer
+    than ``--distributed-timeout`` allows a step's collective to wait."""
+    try:
+        dist.monitored_barrier(parallel.step_group, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"engine {parallel.dp_rank} rank {parallel.tp_rank}: the other engine cores' "
+            f"ranks did not reach {what} within {timeout_s:.0f} s ({e})"
+        ) from None
 
 
 def run_agreed_step(

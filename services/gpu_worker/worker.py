@@ -25,7 +25,7 @@ from services.gc_tuning import freeze_gc
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed, rank_state
 from services.gpu_worker.expert_load import ExpertLoadReport
-from services.gpu_worker.lockstep import DPLockstep, run_agreed_step
+from services.gpu_worker.lockstep import DPLockstep, run_agreed_step, wait_for_every_rank
 from services.ipc import PushSocket, SubSocket, report_ready
 from services.kv_cache.capacity import check_kv_capacity
 from services.kv_transfer.base import KVConnectorWorker, create_worker_connector
@@ -36,6 +36,12 @@ from services.protocol import EngineCoreInput, KVTransferDone, StepPlan, StepRes
 from services.registry import WORKER_BACKENDS, load_backend
 
 logger = init_logger(__name__)
+
+STARTUP_TIMEOUT_S = 900.0  # as long as the launcher waits for every worker to be ready
+
+# How the launcher stops this process (launch/process.py:STOP_SIGNAL; this layer cannot import
+# it). A SIGTERM reaches it only with its whole process group: the launcher's to handle.
+STOP_SIGNAL = signal.SIGUSR1
 
 
 def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_rank: int = 0) -> None:
@@ -60,6 +66,8 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     else:
         parallel = rank_state(engine.parallel, rank, layers)
     worker: WorkerBackend = backend(engine, folder, parallel)
+    if lockstep:  # engines load at their own pace; the profile's collectives span them
+        wait_for_every_rank(parallel, STARTUP_TIMEOUT_S, "the memory profile")
     num_blocks = worker.determine_num_blocks()
     # Fail early when this rank cannot hold one request; the scheduler logs the pool.
     max_len = engine.scheduler.resolved_max_model_len
@@ -85,6 +93,8 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
     trace = StepTrace.from_env(rank, dp_rank)
     load = ExpertLoadReport.for_rank(config, worker, parallel, dp_rank)
     agreement = DPLockstep(parallel) if lockstep else None
+    if lockstep:
+        wait_for_every_rank(parallel, STARTUP_TIMEOUT_S, "the first step")
     freeze_gc()
     report_ready(
         control_endpoint,
@@ -106,7 +116,7 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
         # Stopped by the launcher: the connector ends its work first (storage writes the
         # blocks still queued for the disk, for a few seconds). Not in the handler itself:
         # it may interrupt the connector holding a lock its shutdown needs.
-        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(STOP_SIGNAL, _raise_stop)
     pending: StepPlan | None = None  # in lock-step: a plan held until the ranks agree
     try:
         while True:
@@ -119,13 +129,15 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
                 break
             if pending is None:
                 pending = plans.recv_nowait()
-            start = clock.perf_counter()
+            if load is not None:
+                load.maybe_report()
             agreed = None if agreement is None else agreement.agree(pending)
             if agreement is not None and agreed is None:
                 continue  # nothing to run, or an engine's ranks do not all have its plan
             plan, pending = pending, None
             if plan is None and agreed is None:
                 continue
+            start = clock.perf_counter()
             if plan is not None and connector is not None:
                 connector.bind_connector_metadata(plan.kv_connector_metadata)
                 connector.start_load_kv()
@@ -135,8 +147,6 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
                 assert plan is not None
                 result = worker.execute(plan)
             end = clock.perf_counter()
-            if load is not None:
-                load.maybe_report()
             if plan is None:
                 continue
             forward_time.observe(end - start)
@@ -150,11 +160,11 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
                 assert result is not None
                 results.send(result)
         if connector is not None:
-            # The launcher's SIGTERM may follow the scheduler's exit: from here it is
+            # The launcher's stop may follow the scheduler's exit: from here it is
             # ignored (one raised before this line lands below all the same).
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     except _Stop:
-        pass  # the handler ignored later SIGTERMs
+        pass  # the handler ignored later stops
     if connector is None:
         raise SystemExit(0)
     connector.shutdown()
@@ -162,12 +172,12 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
 
 
 class _Stop(BaseException):
-    """SIGTERM in a worker whose KV connector has work to end."""
+    """The launcher's stop in a worker whose KV connector has work to end."""
 
 
 def _raise_stop(*_: object) -> None:
-    # One stop: a second SIGTERM must not interrupt the connector's shutdown.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # One stop: a second one must not interrupt the connector's shutdown.
+    signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     raise _Stop
 
 

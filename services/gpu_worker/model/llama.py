@@ -418,6 +418,13 @@ class LlamaForCausalLM(nn.Module):
         block = self.get_submodule(name.rsplit(".", 1)[0])
         assert isinstance(block, SparseMoeBlock)
         param = name.rsplit(".", 1)[1]
+        if not 0 <= expert < block.num_experts:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r}: expert {expert} out of range: the model has "
+                f"{block.num_experts}"
+            )
+        if not block.is_local(expert):
+            return True  # another expert-parallel rank holds it: not even converted here
         try:
             local = block.load_quantized_expert(param, expert, shard, tensor, self.int8_activations)
             if not local:
