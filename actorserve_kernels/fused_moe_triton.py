@@ -1,6 +1,7 @@
 """Fused mixture-of-experts on GPUs: a grouped GEMM over the (token, expert) pairs sorted by
 expert, as vLLM's ``fused_moe`` does. ``actorserve_kernels.moe`` dispatches to ``fused_moe``
-on CUDA and defines the math (``fused_experts_ref``).
+on CUDA and defines the math (``fused_experts_ref``). The file stays whole: its kernels are
+one pipeline (align, GEMM, activation, GEMM, sum) whose buffers and block sizes agree.
 
 Steps, for ``hidden`` [T, H], ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I]
 and the router's ``topk_ids`` / ``topk_weights`` [T, k]:

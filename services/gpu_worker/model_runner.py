@@ -28,8 +28,7 @@ from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_all, capture_sizes
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState, StageLink
 from services.gpu_worker.input_batch import InputBatch
-from services.gpu_worker.model.llama import CheckpointTensor, LlamaDecoderLayer, LlamaForCausalLM
-from services.gpu_worker.model.moe import SparseMoeBlock
+from services.gpu_worker.model.llama import CheckpointTensor, LlamaForCausalLM
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.step_inputs import StepBuffers
 from services.logging_utils import init_logger
@@ -174,15 +173,6 @@ class ModelRunner(WorkerBackend):
         if int8 and not self.model.int8_linears():
             raise ModelLoadError(only_quantized)
         self.num_layers = len(self.model.model.layers)  # this pipeline stage's
-        if parallel.ep_size > 1:
-            first = parallel.ep_rank * (arch.num_experts // parallel.ep_size)
-            logger.info(
-                "expert parallelism (EP %d = TP %d x DP %d): engine %d rank %d holds experts "
-                "[%d, %d) of %d",
-                parallel.ep_size, parallel.tp_size, parallel.ep_size // parallel.tp_size,
-                parallel.dp_rank, parallel.tp_rank, first,
-                first + arch.num_experts // parallel.ep_size, arch.num_experts,
-            )  # fmt: skip
         self.link = StageLink(parallel, arch.hidden_size, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.input_batch = InputBatch(
@@ -394,16 +384,12 @@ class ModelRunner(WorkerBackend):
             dispatch.begin_step(num_tokens)
 
     def execute_dummy(self) -> None:
-        dispatch = self.model.model.expert_dispatch
-        if dispatch is None:
-            return
-        blocks = [
-            layer.mlp
-            for layer in self.model.model.layers
-            if isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, SparseMoeBlock)
-        ]
-        with torch.inference_mode():
-            dispatch.dummy_forward(blocks, self.arch.hidden_size, self.dtype, self.device)
+        model = self.model.model
+        if model.expert_dispatch is not None:
+            with torch.inference_mode():
+                model.expert_dispatch.dummy_forward(
+                    model.moe_blocks(), self.arch.hidden_size, self.dtype, self.device
+                )
 
     def expert_load(self) -> list[int] | None:
         dispatch = self.model.model.expert_dispatch

@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 
 from services.gpu_worker.distributed import ParallelState
+from services.logging_utils import init_logger
+
+logger = init_logger(__name__)
 
 
 class MoeLayer(Protocol):
@@ -55,6 +58,15 @@ class ExpertDispatch:
         # Tokens of each engine core in this step (engine order); set per step in lock-step.
         self.step_tokens: tuple[int, ...] = ()
         self._load: torch.Tensor | None = None  # routed (token, expert) pairs, per expert
+        if parallel.ep_size > 1:
+            per = num_experts // parallel.ep_size
+            logger.info(
+                "expert parallelism (EP %d = TP %d x DP %d): engine %d rank %d holds experts "
+                "[%d, %d) of %d",
+                parallel.ep_size, parallel.tp_size, parallel.ep_size // parallel.tp_size,
+                parallel.dp_rank, parallel.tp_rank, parallel.ep_rank * per,
+                (parallel.ep_rank + 1) * per, num_experts,
+            )  # fmt: skip
 
     def begin_step(self, num_tokens: tuple[int, ...]) -> None:
         if len(num_tokens) != self.parallel.dp_size:

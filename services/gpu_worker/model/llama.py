@@ -231,6 +231,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if parallel.is_last_stage else None
         self.is_moe = arch.is_moe
 
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """This stage's MoE layers, in order (what a dummy forward runs)."""
+        return [
+            layer.mlp
+            for layer in self.layers
+            if isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, SparseMoeBlock)
+        ]
+
     def forward(
         self,
         input_ids: torch.Tensor,
