@@ -31,6 +31,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stats", action="store_true", help="print token counts and throughput")
+    p.add_argument(
+        "--disable-tqdm",
+        "--no-progress",
+        action="store_true",
+        help="no 'Processed prompts' progress bar on stderr (vLLM's flag name)",
+    )
     add_engine_args(p)
     p.set_defaults(func=_run_generate)
 
@@ -77,7 +83,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             llm.apply_chat_template([*system, {"role": "user", "content": p}]) for p in prompts
         ]
     start = time.perf_counter()
-    results = llm.generate(prompts, params)
+    results = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - start
     for i, result in enumerate(results):
         if len(results) > 1:
@@ -140,6 +146,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
+    from services.router.config import QUIET_ENDPOINTS
     from services.router.policies import POLICIES
 
     p = sub.add_parser(
@@ -201,20 +208,36 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="seeds the random choices")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per request (vLLM's flag)")  # fmt: skip
+    p.add_argument("--disable-access-log-for-endpoints", default=QUIET_ENDPOINTS,
+                   metavar="PATHS", help="comma-separated paths without an access line "
+                   f"(default: {QUIET_ENDPOINTS}: probes; '' logs every request)")  # fmt: skip
     p.set_defaults(func=_run_router)
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    from launch.ports import check_port
     from services.router.app import RouterConfig, run_router
+    from services.router.replicas import backend_url
 
     if not args.backend and args.api_key is None:
         raise ConfigError("give at least one --backend (or --api-key, to add them at run time)")
+    try:
+        backends = [backend_url(url) for url in args.backend]
+    except ValueError as e:
+        raise ConfigError(f"--backend {e}") from None
     if args.block_size is not None and (
         args.block_size < 1 or args.block_size & (args.block_size - 1)
     ):
         raise ConfigError(f"--block-size must be a power of two, got {args.block_size}")
     if args.health_check_interval <= 0 or args.load_interval_ms <= 0:
         raise ConfigError("--health-check-interval and --load-interval-ms must be positive")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError("--shutdown-timeout must be at least 0")
+    check_port(args.host, args.port)
     from services.router.kv_events import Publisher
     from services.router.replicas import normalize_url
 
@@ -231,7 +254,7 @@ def _run_router(args: argparse.Namespace) -> int:
 
         tokenizer = str(prepare_model(None if tokenizer == "default" else tokenizer))
     config = RouterConfig(
-        backends=args.backend,
+        backends=backends,
         policy=args.policy,
         host=args.host,
         port=args.port,
@@ -246,11 +269,20 @@ def _run_router(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         seed=args.seed,
         kv_events=kv_events,
+        shutdown_timeout=args.shutdown_timeout,
+        access_log=not args.disable_uvicorn_access_log,
+        access_log_skip=_paths(args.disable_access_log_for_endpoints),
     )
     return run_router(config)
 
 
+def _paths(value: str | None) -> list[str]:
+    """``--disable-access-log-for-endpoints``: its comma-separated paths."""
+    return [p.strip() for p in (value or "").split(",") if p.strip()]
+
+
 def _add_pd_proxy(sub: argparse._SubParsersAction) -> None:
+    from services.router.config import QUIET_ENDPOINTS
     from services.router.policies import POLICIES
 
     p = sub.add_parser(
@@ -276,24 +308,43 @@ def _add_pd_proxy(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load-interval-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=None, help="seeds the random choices")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per request (vLLM's flag)")  # fmt: skip
+    p.add_argument("--disable-access-log-for-endpoints", default=QUIET_ENDPOINTS,
+                   metavar="PATHS", help="comma-separated paths without an access line "
+                   f"(default: {QUIET_ENDPOINTS}: probes; '' logs every request)")  # fmt: skip
     p.set_defaults(func=_run_pd_proxy)
 
 
 def _run_pd_proxy(args: argparse.Namespace) -> int:
+    from launch.ports import check_port
     from services.router.app import RouterConfig
     from services.router.pd_proxy import run_pd_proxy
+    from services.router.replicas import backend_url
 
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for flag, given in (("prefill", args.prefill), ("decode", args.decode)):
+        try:
+            urls[flag] = [backend_url(url) for url in given]
+        except ValueError as e:
+            raise ConfigError(f"--{flag} {e}") from None
     if args.health_check_interval <= 0 or args.load_interval_ms <= 0:
         raise ConfigError("--health-check-interval and --load-interval-ms must be positive")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError("--shutdown-timeout must be at least 0")
+    check_port(args.host, args.port)
     tokenizer = args.tokenizer
     if tokenizer is not None:
         from services.model_loader import prepare_model
 
         tokenizer = str(prepare_model(None if tokenizer == "default" else tokenizer))
 
-    def side(backends: list[str], policy: str) -> RouterConfig:
+    def side(role: str, policy: str) -> RouterConfig:
         return RouterConfig(
-            backends=backends,
+            backends=urls[role],
+            role=role,
             policy=policy,
             host=args.host,
             port=args.port,
@@ -302,11 +353,12 @@ def _run_pd_proxy(args: argparse.Namespace) -> int:
             load_interval_ms=args.load_interval_ms,
             log_level=args.uvicorn_log_level,
             seed=args.seed,
+            shutdown_timeout=args.shutdown_timeout,
+            access_log=not args.disable_uvicorn_access_log,
+            access_log_skip=_paths(args.disable_access_log_for_endpoints),
         )
 
-    return run_pd_proxy(
-        side(args.prefill, args.prefill_policy), side(args.decode, args.decode_policy)
-    )
+    return run_pd_proxy(side("prefill", args.prefill_policy), side("decode", args.decode_policy))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,18 +13,26 @@ told (every in-flight request ends with an error, ``/health`` turns 503), the
 rest are stopped and the launcher exits non-zero. With ``--restart-on-failure``
 a dead engine process (anything but the api_server) instead restarts the engine
 group: every child but the api_server is stopped and started again, while the
-api_server keeps its port and answers 503; once all are READY it serves again
-(and with ``--retry-waiting-on-restart`` sends the requests that were still
-waiting to the new engine). SIGTERM (or Ctrl-C) drains: the api_server stops
-accepting (503), lets in-flight requests finish for up to
-``--shutdown-timeout`` seconds, aborts the rest; then everything exits 0.
+api_server keeps its port and answers 503 (``/health``: ``restarting``); once all
+are READY it serves again (and with ``--retry-waiting-on-restart`` sends the
+requests that were still waiting to the new engine). Restarts are limited as
+systemd limits a unit's: at most ``--max-restarts`` within ``--restart-window``
+seconds, a restart that fails to start counting as one, the k-th of them after
+``--restart-backoff`` x 2^(k-1) seconds (at most 60); one failure more stops the
+server (exit 1).
+
+SIGTERM (or Ctrl-C) drains: the api_server stops accepting (503, ``/health``
+too), lets in-flight requests finish for up to ``--shutdown-timeout`` seconds,
+aborts the rest; then the launcher stops the others (``STOP_SIGNAL``) and
+everything exits 0. The same holds for a SIGTERM to the whole process group
+(``timeout``, systemd): the children leave it to the launcher (``launch/child.py``).
 """
 
 from __future__ import annotations
 
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 import msgspec
@@ -52,6 +60,7 @@ from services.protocol import ApiServerInput, EngineDead, EngineRestarted, Ready
 logger = init_logger(__name__)
 
 _POLL_MS = 200
+_MAX_BACKOFF_S = 60.0  # the longest wait before a restart (--restart-backoff doubles)
 
 
 class StartupError(RuntimeError):
@@ -73,6 +82,7 @@ class Launcher:
         self._api_socket: PushSocket[ApiServerInput] | None = None  # to the api_server
         # --restart-on-failure picks a new rendezvous port only if one was chosen at start
         self.master_port_chosen = False
+        self._restarts: deque[float] = deque()  # when each recent restart began
 
     def _start(self, role: str, *extra: str, name: str | None = None) -> Child:
         return self.group.start(
@@ -218,31 +228,49 @@ class Launcher:
 
     def _restart(self, reason: str, api: Child) -> int | None:
         """``--restart-on-failure``: stop every child but the api_server (503s meanwhile),
-        start them again, tell the api_server. None once serving again; the exit code if the
-        new engine did not start or a stop was asked for meanwhile."""
+        start them again after the backoff, tell the api_server; a restart that does not
+        start is retried the same way. None once serving again; the exit code when the
+        restarts are spent (1), the api_server died, or a stop was asked for meanwhile."""
         began = time.monotonic()
         logger.error("%s; restarting the engine (--restart-on-failure)", reason)
         self._tell_api(EngineDead(f"The engine stopped: {reason}.", restarting=True))
-        engine = [c for c in self.group.children if c is not api]
-        self.group.stop(engine)
-        self.group.children = [c for c in self.group.children if c not in engine]
-        for child in engine:
-            forget_process_gauges(child.popen.pid)
-        self._ready.clear()
+        self._stop_engine(api)
         stopped_s = time.monotonic() - began
         parallel = self.config.engine.parallel
-        try:
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            if self.master_port_chosen:  # the old rendezvous port may still be in TIME_WAIT
-                parallel.master_port = None
-                resolve_master_port(parallel)
-            self._start_engine_group()
-        except KeyboardInterrupt:  # SIGTERM while restarting: nothing left to finish
-            self._tell_api(EngineDead("The server is shutting down."))
-            return self._drain(api)
-        except Exception as e:  # a process that died starting, no free port, no fork...
-            return self._on_death(f"the engine did not restart: {e}", api)
+        while True:
+            if (delay := self._next_restart()) is None:
+                n, window = self.config.max_restarts, self.config.restart_window
+                return self._on_death(
+                    f"{reason}; not restarting the engine again: {n} restart(s) within "
+                    f"{window:g} s already (--max-restarts {n}, --restart-window {window:g})",
+                    api,
+                )
+            attempt = len(self._restarts)
+            logger.warning(
+                "restart %d of at most %d within %g s: starting the engine in %.1f s",
+                attempt,
+                self.config.max_restarts,
+                self.config.restart_window,
+                delay,
+            )
+            try:
+                self._sleep_or_stop(delay, api)
+                logger.info("restart %d: starting the engine processes", attempt)
+                if self.master_port_chosen:  # the old rendezvous port may be in TIME_WAIT
+                    parallel.master_port = None
+                    resolve_master_port(parallel)
+                self._start_engine_group()
+                break
+            except KeyboardInterrupt:  # SIGTERM while restarting: nothing left to finish
+                self._tell_api(EngineDead("The server is shutting down."))
+                return self._drain(api)
+            except Exception as e:  # a process that died starting, no free port, no fork...
+                if api.popen.poll() is not None:
+                    reason = f"the api_server process died (exit code {api.popen.returncode})"
+                    return self._on_death(reason, api)
+                reason = f"restart {attempt} failed: {e}"
+                logger.error("%s", reason)
+                self._stop_engine(api)
         recovery_s = time.monotonic() - began
         logger.warning(
             "the engine restarted in %.1f s (old processes stopped in %.1f s); serving again",
@@ -251,6 +279,44 @@ class Launcher:
         )
         self._tell_api(EngineRestarted(recovery_s))
         return None
+
+    def _next_restart(self) -> float | None:
+        """Count a restart: the seconds to wait before it (``--restart-backoff`` x 2^(k-1)
+        for the k-th within ``--restart-window``), or None when ``--max-restarts`` are
+        spent."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self.config.restart_window:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.config.max_restarts:
+            return None
+        self._restarts.append(now)
+        doublings = min(len(self._restarts) - 1, 30)
+        return min(self.config.restart_backoff * 2.0**doublings, _MAX_BACKOFF_S)
+
+    def _sleep_or_stop(self, delay_s: float, api: Child) -> None:
+        """Wait ``delay_s``; KeyboardInterrupt on a stop request, StartupError if the
+        api_server dies meanwhile."""
+        deadline = time.monotonic() + delay_s
+        while True:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            if api.popen.poll() is not None:
+                raise StartupError("the api_server process died")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, _POLL_MS / 1000))
+
+    def _stop_engine(self, api: Child) -> None:
+        """Stop every child but the api_server and forget them, with any READY they sent."""
+        engine = [c for c in self.group.children if c is not api]
+        self.group.stop(engine)
+        self.group.children = [c for c in self.group.children if c not in engine]
+        for child in engine:
+            forget_process_gauges(child.popen.pid)
+        self._ready.clear()
+        while self.control.recv_nowait() is not None:
+            pass  # a READY of a process just stopped: it must not count for the next one
 
     def _tell_api(self, msg: ApiServerInput) -> None:
         if self._api_socket is None:

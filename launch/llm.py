@@ -19,10 +19,12 @@ both (``tests/test_output_parity.py``). One rank runs in this process
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from launch.serve import check_model_files
 from services import clock
 from services.api_server.choices import ChoiceState, fan_out
 from services.config import ConfigError, EngineConfig, ModelArchConfig
@@ -103,6 +105,7 @@ class LLM:
         folder = prepare_engine_model(m.model, m.load_format, self.config.worker.sim_model)
         arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
         self.config.finalize(arch)
+        check_model_files(self.config, folder)
         if self.config.parallel.data_parallel_size > 1:
             raise ConfigError(
                 "data_parallel_size is for the server (actorserve serve -dp N); offline, "
@@ -148,9 +151,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); one RequestOutput per prompt, in order."""
+        """Complete every prompt (text or token ids); one RequestOutput per prompt, in order.
+
+        ``use_tqdm`` (vLLM's): a "Processed prompts" progress bar on stderr, with the
+        input and output tokens per second so far; False hides it, a callable replaces
+        ``tqdm.tqdm``."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -159,6 +167,7 @@ class LLM:
         params = self._per_prompt(sampling_params, len(prompts))
         results: list[RequestOutput] = []
         choices: dict[str, _Choice] = {}  # engine request id -> its choice
+        progress = _Progress(len(prompts), use_tqdm)
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 sp.validate()
@@ -166,10 +175,18 @@ class LLM:
             # Until the scheduler has ended every request (a stop string's finish too), so
             # the output processor holds nothing of this call afterwards.
             live = set(choices)
+            left: dict[int, int] = {}  # a prompt's choices not yet ended, by its result
+            for choice in choices.values():
+                left[id(choice.result)] = left.get(id(choice.result), 0) + 1
             while live:
                 items = [item for item in self.step() if item.req_id in live]
                 self._take(*self.output_processor.process(TokenBatch(items)), choices)
-                live = {req_id for req_id in live if req_id in self.output_processor}
+                ended = {req_id for req_id in live if req_id not in self.output_processor}
+                live -= ended
+                for req_id in ended:
+                    choice = choices[req_id]
+                    left[id(choice.result)] -= 1
+                    progress.choice_done(choice, left[id(choice.result)] == 0)
         except BaseException:
             # A prompt refused part-way (its grammar, offline, fails as it compiles), or an
             # interrupted run: its requests must not run on into the next call. The
@@ -177,6 +194,8 @@ class LLM:
             self.core.abort_requests(list(choices))
             self.output_processor.abort_requests(list(choices))
             raise
+        finally:
+            progress.close()
         for choice in choices.values():  # in choice order: fan_out's
             result = choice.result
             result.outputs.append(_completion_output(choice))
@@ -189,11 +208,13 @@ class LLM:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         tok = self.tokenizer
@@ -281,6 +302,49 @@ class LLM:
                 "pass one, or one per prompt"
             )
         return list(sampling_params)
+
+
+def _tqdm() -> Callable[..., Any]:
+    from tqdm import tqdm
+
+    return tqdm
+
+
+class _Progress:
+    """vLLM's "Processed prompts" bar over one ``generate`` call: a prompt counts once all
+    its choices have ended; the postfix estimates input and output tokens per second."""
+
+    def __init__(self, total: int, use_tqdm: bool | Callable[..., Any]) -> None:
+        self.bar: Any = None
+        self.input_tokens = self.output_tokens = 0
+        if not use_tqdm:
+            return
+        make: Callable[..., Any] = use_tqdm if callable(use_tqdm) else _tqdm()
+        self.bar = make(
+            total=total,
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
+        )
+
+    def choice_done(self, choice: _Choice, prompt_done: bool) -> None:
+        if self.bar is None:
+            return
+        self.input_tokens += len(choice.result.prompt_token_ids)
+        self.output_tokens += len(choice.state.token_ids)
+        if not prompt_done:
+            return
+        elapsed = max(self.bar.format_dict.get("elapsed", 0.0), 1e-9)
+        self.bar.postfix = (
+            f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+            f"output: {self.output_tokens / elapsed:.2f} toks/s"
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _token_logprobs(lp: DecodedLogprob) -> TokenLogprobs:

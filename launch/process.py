@@ -9,6 +9,12 @@ the launcher, even after ``kill -9`` of the launcher:
   the child with SIGKILL when the launcher thread that forked it dies;
 - a death pipe: the launcher holds the write end, the child a thread blocked on
   the read end; EOF (the launcher is gone, however it died) ends the child.
+
+The launcher stops a child with ``STOP_SIGNAL`` (SIGUSR1), not SIGTERM: a SIGTERM to
+the whole process group (``timeout``, systemd's ``KillMode=control-group``,
+``kill -TERM -PGID``) reaches every child at the same moment as the launcher, and it
+is the launcher's to act on (it drains, then stops its children in turn). A child
+therefore ignores SIGTERM while its launcher lives (``launch/child.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from services.ipc import STOP_SIGNAL
 
 DEATH_FD_ENV = "ACTORSERVE_DEATH_FD"
 _PR_SET_PDEATHSIG = 1
@@ -114,12 +122,12 @@ class ProcessGroup:
         return None
 
     def stop(self, children: list[Child], timeout: float = 5.0) -> None:
-        """SIGTERM these children (and SIGCONT, so a stopped one handles it), wait up to
-        ``timeout`` seconds, then SIGKILL the rest."""
+        """``STOP_SIGNAL`` to these children (and SIGCONT, so a stopped one handles it),
+        wait up to ``timeout`` seconds, then SIGKILL the rest."""
         for child in children:
             child.expected_exit = True
             if child.popen.poll() is None:
-                child.popen.send_signal(signal.SIGTERM)
+                child.popen.send_signal(STOP_SIGNAL)
                 child.popen.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + timeout
         for child in children:

@@ -14,10 +14,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-from launch.child import CONTROL_ENV
+from launch.child import CONTROL_ENV, USER_ERROR_EXIT
 from launch.engine_nodes import EngineNode, HeadLost, head_endpoints
 from launch.launcher import Launcher, StartupError
+from launch.ports import check_server_ports
 from launch.process import ProcessGroup
 from launch.workers import (
     cross_node_endpoints,
@@ -28,10 +31,13 @@ from services import clock
 from services.config import (
     ConfigError,
     Endpoints,
+    EngineConfig,
+    KVTransferConfig,
     ModelArchConfig,
     ParallelConfig,
     ServeConfig,
 )
+from services.config.checks import INT8_ACTIVATIONS
 from services.config.serve import load_chat_template as load_chat_template
 from services.flags import parse_json_object
 from services.ipc import IpcDir
@@ -64,6 +70,142 @@ def served_name(model: str | None, sim_model: str | None = None) -> str:
     if sim_model is not None:
         return sim_model
     return model if model is not None else "SmolLM2-135M-Instruct"
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def _cpu_isa() -> str:
+    """The instruction set the C++ CPU ops are built for (``-march=native``, less what
+    ``$ACTORSERVE_CPU_FLAGS`` turns off)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    flags = set(line.partition(":")[2].split())
+    extra = os.environ.get("ACTORSERVE_CPU_FLAGS", "")
+    if "avx512f" in flags and "-mno-avx512f" not in extra:
+        return "AVX-512" + (" VNNI" if "avx512_vnni" in flags else "")
+    return "AVX2" if "avx2" in flags else "scalar"
+
+
+def _tiers(kv: KVTransferConfig | None) -> str:
+    """The KV connectors: the tiers under the KV cache and the KV moved between servers."""
+    if kv is None:
+        return "none"
+    items: list[dict[str, Any]] = [
+        {"kv_connector": kv.kv_connector, "kv_role": kv.kv_role, "kv_ip": kv.kv_ip,
+         "kv_port": kv.kv_port, "kv_connector_extra_config": kv.kv_connector_extra_config}
+    ]  # fmt: skip
+    if kv.kv_connector == "multi":
+        raw = kv.kv_connector_extra_config.get("connectors") or []
+        items = [{"kv_role": kv.kv_role, **c} for c in raw if isinstance(c, dict)]
+    out = []
+    for item in items:
+        name, extra = item.get("kv_connector"), item.get("kv_connector_extra_config") or {}
+        if name == "offload" and isinstance(extra.get("kv_offload_bytes"), int | float):
+            out.append(f"offload (host memory, {_size(extra['kv_offload_bytes'])})")
+        elif name == "storage":
+            out.append(f"storage (files in {extra.get('path')})")
+        elif name == "p2p":
+            where = f"{item.get('kv_ip', '127.0.0.1')}:{item.get('kv_port', 14579)}"
+            out.append(f"p2p ({item.get('kv_role', 'kv_both')}, side channel {where})")
+        else:
+            out.append(str(name))
+    return ", ".join(out)
+
+
+def startup_summary(config: ServeConfig, hf: dict[str, Any]) -> list[str]:
+    """What this server runs, once it is up, as vLLM's "Initializing a V1 LLM engine with
+    config" line and its KV cache lines: one INFO block in the launcher's log. ``hf`` is
+    the model folder's config.json."""
+    e = config.engine
+    m, c, s, w, p = e.model, e.cache, e.scheduler, e.worker, e.parallel
+    arch = ModelArchConfig.from_hf_config(hf)
+    sim = w.worker_backend == "sim"
+    device = "sim" if sim else w.resolved_device()
+    dtype = e.resolved_dtype(device)
+    if dtype == "auto":  # the simulated model's own (the sim worker's rule)
+        dtype = str(hf.get("torch_dtype", "bfloat16"))
+    layers = f"{arch.num_hidden_layers} layers"
+    if arch.is_moe:
+        layers += f", {arch.num_experts} experts"
+    model = m.model or "SmolLM2-135M-Instruct (the default)"
+    if sim:
+        model = f"{w.sim_model or model} (simulated; the tokenizer is {m.model or 'the default'}'s)"
+    lines = [f"model: {model}, {arch.architecture}, {layers}, load format {m.load_format}"]
+    names = ", ".join(config.served_model_names)
+    why = ""
+    if sim and w.sim_model is not None and config.served_model_names == [w.sim_model]:
+        why = " (the --sim-model's name, not --model's; --served-model-name to choose)"
+    lines.append(f"served model name: {names}{why}")
+    from services.model_loader.gguf_convert import gguf_source
+
+    gguf = not sim and m.load_format != "dummy" and gguf_source(Path(config.model_folder))
+    quant_kernels = gguf and m.quantization != "none" and device == "cpu"
+    quant_kernels = quant_kernels and dtype in ("float32", "bfloat16")
+    if sim:
+        quantization = "none (simulated)"
+    elif quant_kernels:
+        quantization = "gguf (Q4_0/Q4_1/Q8_0 matrices kept quantized, read by the CPU kernels)"
+        if m.cpu_activation_quant == "int8":
+            quantization += ", int8 activations"
+    elif gguf:
+        quantization = f"none (the GGUF weights expanded to {dtype})"
+    else:
+        quantization = "none"
+    lines.append(f"dtype: {dtype}, quantization: {quantization}, device: {device}")
+    if sim:
+        kernels = f"none run: each step sleeps for the {w.sim_hardware} roofline's time"
+    else:
+        attention = w.attention_backend or ("triton" if device == "cuda" else "torch")
+        kernels = f"attention {attention}"
+        if device == "cpu":
+            cpu_ops = os.environ.get("ACTORSERVE_CPU_KERNELS", "1") != "0"
+            kernels += f", C++ CPU ops ({_cpu_isa()})" if cpu_ops else ", torch ops only"
+        graphs = device == "cuda" and attention == "triton" and p.world_size == 1
+        if device == "cuda":
+            on = graphs and not w.enforce_eager
+            kernels += ", CUDA graphs " + ("on (decode-only steps)" if on else "off")
+        if arch.is_moe:
+            kernels += ", fused MoE experts"
+    lines.append(f"kernels: {kernels}")
+    layout = (
+        f"TP {p.tensor_parallel_size} x PP {p.pipeline_parallel_size} x DP "
+        f"{p.data_parallel_size}: {p.world_size} worker rank(s) per engine core"
+    )
+    if p.enable_expert_parallel:
+        layout += f", EP {p.expert_parallel_size}"
+    if p.nnodes > 1:
+        layout += f", over {p.nnodes} nodes"
+    if p.engines_span_nodes:
+        layout += f", engine cores {p.local_engines.start}-{p.local_engines.stop - 1} here"
+    lines.append(f"parallel: {layout}")
+    kv_dtype = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else f"auto ({dtype})"
+    tokens = max(config.num_blocks - 1, 0) * c.block_size  # the null block holds none
+    size = _size(config.num_blocks * config.kv_block_bytes) if config.kv_block_bytes else ""
+    lines.append(
+        f"KV cache: {tokens:,} tokens per engine core ({config.num_blocks:,} blocks of "
+        f"{c.block_size}{', ' + size if size else ''}), dtype {kv_dtype}"
+    )
+    lines.append(f"KV tiers and transfer: {_tiers(e.kv_transfer)}")
+    prefix = f"on ({c.prefix_caching_hash_algo})" if c.enable_prefix_caching else "off"
+    lines.append(
+        f"prefix caching: {prefix}, chunked prefill: "
+        f"{'on' if s.enable_chunked_prefill else 'off'}, async scheduling: "
+        f"{'on' if s.async_scheduling else 'off'}, policy {s.scheduling_policy}"
+    )
+    lines.append(
+        f"limits: max_model_len {s.max_model_len:,}, max_num_seqs {s.max_num_seqs}, "
+        f"max_num_batched_tokens {s.max_num_batched_tokens:,}"
+    )
+    return ["start-up summary:", *(f"  {line}" for line in lines)]
 
 
 def run_headless(config: ServeConfig) -> int:
@@ -135,8 +277,10 @@ def run_engine_node(config: ServeConfig, ipc: IpcDir) -> int:
             time.sleep(_POLL_MS / 1000)
         return 0
     except StartupError as e:
-        print(f"error: {e}", file=sys.stderr)
         node.down(str(e))
+        if _user_error_reported(launcher):
+            return USER_ERROR_EXIT
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except HeadLost:
         logger.info("node 0 went away; stopping this node")
@@ -211,21 +355,63 @@ def kv_events_settings(endpoints: Endpoints, endpoint: str | None, config_json: 
         endpoints.kv_events_replay = "auto" if endpoint == "auto" else None
 
 
+def check_model_files(engine: EngineConfig, folder: Path) -> None:
+    """What the workers would refuse once started, checked before they are: ``--device
+    cuda`` with no GPU, and the weight flags that depend on what the model is (a GGUF file
+    or not). After ``EngineConfig.finalize`` (the model runner's own checks, earlier)."""
+    m = engine.model
+    if engine.worker.worker_backend != "sim" and engine.worker.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but torch sees no CUDA device")
+    if engine.worker.worker_backend == "sim" or m.load_format == "dummy":
+        return
+    if m.quantization != "gguf" and m.cpu_activation_quant != "int8":
+        return
+    from services.model_loader.gguf_convert import gguf_source
+
+    if gguf_source(folder) is not None:
+        return
+    if m.quantization == "gguf":
+        raise ConfigError(
+            f"--quantization gguf needs a GGUF model; {folder} has no GGUF file it was "
+            "converted from that still exists unchanged (source.json)"
+        )
+    raise ConfigError(f"{INT8_ACTIVATIONS}; {m.model or folder} is not a GGUF model")
+
+
+def _user_error_reported(launcher: Launcher) -> bool:
+    """A child ended start-up with a user error (``ConfigError``, ``ModelLoadError``),
+    which it printed as its one ``error:`` line: that line is the whole report."""
+    return any(
+        c.popen.returncode == USER_ERROR_EXIT and not c.expected_exit
+        for c in launcher.group.children
+    )
+
+
 def run_server(args: argparse.Namespace) -> int:
     config = ServeConfig.from_cli(args)
     engine = config.engine
+    parallel = engine.parallel
+    # Everything the flags alone decide, before anything loads or starts: one line, exit 2.
+    _check_headless(parallel, config.headless)
+    _check_restart(config, config.headless)
+    endpoints = Endpoints()
+    kv_events_settings(endpoints, config.kv_events_endpoint, config.kv_events_config)
+    check_server_ports(config, endpoints)
     model = engine.model.model
     folder = prepare_engine_model(model, engine.model.load_format, engine.worker.sim_model)
-    engine.finalize(ModelArchConfig.from_hf_config(load_hf_config(folder)))
-    master_port_chosen = resolve_master_port(engine.parallel)
+    hf = load_hf_config(folder)
+    engine.finalize(ModelArchConfig.from_hf_config(hf))
+    check_model_files(engine, folder)
+    master_port_chosen = resolve_master_port(parallel)
     if engine.worker.worker_backend == "sim" and engine.worker.sim_speed != 1.0:
         os.environ.update(clock.set_sim_speed(engine.worker.sim_speed))  # children inherit it
     ipc = IpcDir()
-    endpoints = Endpoints()
     for name in _SOCKETS:
         setattr(endpoints, name, ipc.endpoint(name))
-    kv_events_settings(endpoints, config.kv_events_endpoint, config.kv_events_config)
-    cross_node_endpoints(endpoints, engine.parallel)
+    cross_node_endpoints(endpoints, parallel)
     config.endpoints = endpoints
     config.model_folder = str(folder)
     if not config.served_model_names:
@@ -233,9 +419,6 @@ def run_server(args: argparse.Namespace) -> int:
     if endpoints.kv_events is not None and not endpoints.kv_events_topic:
         # llm-d's convention: the topic names the replica and the model.
         endpoints.kv_events_topic = f"kv@{config.host}:{config.port}@{config.served_model_names[0]}"
-    parallel = engine.parallel
-    _check_headless(parallel, config.headless)
-    _check_restart(config, config.headless)
     if parallel.node_rank > 0:
         try:
             return run_headless(config)
@@ -252,6 +435,8 @@ def run_server(args: argparse.Namespace) -> int:
     metrics_dir = create_multiproc_dir()  # before any child starts: they inherit it
     try:
         launcher.start()
+        for line in startup_summary(config, hf):
+            logger.info("%s", line)
         print(
             f"actorserve is serving {config.served_model_names[0]} on "
             f"http://{config.host}:{config.port}/v1 (Ctrl-C or SIGTERM to stop)",
@@ -260,6 +445,8 @@ def run_server(args: argparse.Namespace) -> int:
         )
         return launcher.supervise()
     except StartupError as e:
+        if _user_error_reported(launcher):
+            return USER_ERROR_EXIT
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -142,7 +142,7 @@ class LocalWorkerRanks:
         return f"the {dead.name} process exited with code {dead.popen.returncode}"
 
     def close(self) -> None:
-        self.group.stop_all()  # first: the ranks see SIGTERM, not their scheduler vanish
+        self.group.stop_all()  # first: the ranks get the stop signal, not their scheduler vanish
         if hasattr(self, "executor"):
             self.executor.shutdown()
         self.ipc.cleanup()

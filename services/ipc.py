@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import tempfile
 import time
 from typing import Any, Generic, Self, TypeVar
@@ -31,6 +32,11 @@ import zmq
 import zmq.asyncio
 
 T = TypeVar("T")
+
+# How the launcher stops a child process: a signal nothing sends to a whole process group
+# (SIGTERM, SIGINT, SIGHUP and SIGQUIT all reach every process from a shell, ``timeout`` or
+# systemd; a SIGTERM to the group is the launcher's to handle, by draining).
+STOP_SIGNAL = signal.SIGUSR1
 
 # Files that open ZeroMQ sockets themselves, and why a typed wrapper does not fit.
 RAW_SOCKETS: dict[str, str] = {

@@ -386,9 +386,10 @@ def _dropped(model: LlamaForCausalLM) -> set[str]:
 
 def test_int8_activations_need_quantized_weights() -> None:
     from launch.llm import LLM
-    from services.model_loader import ModelLoadError
+    from services.config import ConfigError
 
-    with pytest.raises(ModelLoadError, match="applies to a GGUF model's quantized matrices"):
+    # refused by the configuration, before the weights load (issue 34)
+    with pytest.raises(ConfigError, match="applies to a GGUF model's quantized matrices"):
         LLM(quantization="none", cpu_activation_quant="int8", max_model_len=256)
 
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.api_server.frontend import EngineFrontend, EngineRequestError
 from services.api_server.http_io import (
+    AccessLogMiddleware,
     AuthMiddleware,
     InternalErrorMiddleware,
     XRequestIdMiddleware,
@@ -117,7 +118,12 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if frontend.errored else 200)
+        """200 (empty, as vLLM's) while the engine serves. Else 503 from the first moment
+        (a drain, a dead or restarting engine), so that balancers stop sending here, with
+        ``{"status": "draining" | "dead" | "restarting", "message": ...}``."""
+        if (why := frontend.unavailable) is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": frontend.status, "message": why}, status_code=503)
 
     @app.get("/load")
     async def load() -> JSONResponse:
@@ -160,4 +166,6 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)  # type: ignore[arg-type]
     if settings.enable_request_id_headers:  # outermost: even a 401 carries the id
         app.add_middleware(XRequestIdMiddleware)  # type: ignore[arg-type]
+    if settings.access_log:  # outside it: the line names the id the client got
+        app.add_middleware(AccessLogMiddleware, skip_paths=settings.access_log_skip)  # type: ignore[arg-type]
     return app

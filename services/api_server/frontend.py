@@ -144,6 +144,17 @@ class EngineFrontend:
         return None
 
     @property
+    def status(self) -> str:
+        """``unavailable`` in one word, for ``/health``: ``restarting``, ``dead`` (the engine
+        stopped, the server with it), ``draining`` (SIGTERM: live requests finish, new ones
+        are refused), or ``ok``."""
+        if self.restarting:
+            return "restarting"
+        if self.errored:
+            return "dead"
+        return "draining" if self.draining else "ok"
+
+    @property
     def num_waiting(self) -> int:
         """Requests sent that have produced no output yet (queued or prefilling)."""
         return self._num_waiting

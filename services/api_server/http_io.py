@@ -17,6 +17,7 @@ from services.http.errors import APIError as APIError
 from services.http.errors import ClientGone as ClientGone
 from services.http.errors import error_body as error_body
 from services.http.errors import error_response as error_response
+from services.http.middleware import AccessLogMiddleware as AccessLogMiddleware
 from services.http.middleware import AuthMiddleware as AuthMiddleware
 from services.http.middleware import InternalErrorMiddleware as InternalErrorMiddleware
 from services.http.middleware import XRequestIdMiddleware as XRequestIdMiddleware

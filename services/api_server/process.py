@@ -50,6 +50,10 @@ def server_settings(config: ServeConfig) -> ServerSettings:
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         kv_events=kv_events_info(config),
+        access_log=not config.disable_uvicorn_access_log,
+        access_log_skip=[
+            p.strip() for p in config.disable_access_log_for_endpoints.split(",") if p.strip()
+        ],
     )
 
 

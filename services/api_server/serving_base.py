@@ -49,6 +49,9 @@ class ServerSettings:
     created: int = field(default_factory=lambda: int(clock.wall()))
     # ``GET /kv_events``: the engine cores' KV event sockets, and what their hashes depend on
     kv_events: dict[str, Any] | None = None
+    # the access log (a line per request; --disable-uvicorn-access-log), and paths without it
+    access_log: bool = True
+    access_log_skip: list[str] = field(default_factory=lambda: ["/health", "/load", "/metrics"])
 
 
 class ServingBase:

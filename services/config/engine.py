@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from services.config.checks import check_worker_flags
 from services.config.kv_transfer import KVTransferConfig
 from services.flags import (
     ConfigError,
@@ -417,6 +418,7 @@ class EngineConfig:
             raise ConfigError("--sim-model and --sim-eos are for --worker-backend sim")
         if w.sim_speed <= 0:
             raise ConfigError(f"--sim-speed must be positive, got {w.sim_speed}")
+        check_worker_flags(self, None if w.device == "auto" else w.device)
         if w.worker_backend == "sim" and (
             self.parallel.nnodes > 1 or (w.sim_speed != 1.0 and self.parallel.engines_span_nodes)
         ):
@@ -438,8 +440,17 @@ class EngineConfig:
                 "sha256 or sha256_cbor with --data-parallel-size > 1"
             )
 
+    def resolved_dtype(self, device: str | None) -> str:
+        """``--dtype``'s canonical name; ``auto`` is float32 on a CPU, bfloat16 on a GPU
+        (the model runner's rule), and stays ``auto`` when the device is not known."""
+        dtype = DTYPES[self.model.dtype]
+        if dtype == "auto" and device in ("cpu", "cuda"):
+            return "float32" if device == "cpu" else "bfloat16"
+        return dtype
+
     def finalize(self, arch: ModelArchConfig) -> None:
-        """Fill in what depends on the model (max_model_len) and check budgets against it."""
+        """Fill in what depends on the model (max_model_len) and check budgets against it,
+        and the flags that depend on the device, before any process starts."""
         s = self.scheduler
         derived = arch.derived_max_model_len
         if s.max_model_len is None:
@@ -473,6 +484,7 @@ class EngineConfig:
                 "a long prompt could never be scheduled; raise it or enable chunked prefill"
             )
         self.parallel.check_fits(arch, device)
+        check_worker_flags(self, device, arch)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

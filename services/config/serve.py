@@ -244,6 +244,26 @@ class ServeConfig:
             "wait for the new engine and run there (once), instead of failing"
         ),
     )
+    # ... at most --max-restarts times in --restart-window seconds (systemd's StartLimitBurst
+    # and StartLimitIntervalSec), the k-th of them after --restart-backoff x 2^(k-1) seconds
+    max_restarts: int = field(
+        default=5,
+        metadata=flag(
+            "with --restart-on-failure: restart the engine at most this many times within "
+            "--restart-window seconds (a restart that fails to start counts too); one more "
+            "failure stops the server (exit 1)"
+        ),
+    )
+    restart_window: float = field(
+        default=600.0, metadata=flag("seconds over which --max-restarts counts restarts")
+    )
+    restart_backoff: float = field(
+        default=1.0,
+        metadata=flag(
+            "seconds before the first restart within --restart-window; each further one "
+            "waits twice as long as the one before (at most 60 s)"
+        ),
+    )
     tokenizer_workers: int = field(
         default=1, metadata=flag("tokenizer processes in front of the engine")
     )
@@ -264,6 +284,22 @@ class ServeConfig:
     max_log_len: int | None = field(
         default=None,
         metadata=flag("cut logged prompts and outputs to this many characters or token ids"),
+    )
+    # the access log: a line per request (services/http/middleware.py), on as in vLLM
+    disable_uvicorn_access_log: bool = field(
+        default=False,
+        metadata=flag(
+            "no access log line per request (method, path, status, id, tokens, latency; "
+            "vLLM's flag)"
+        ),
+    )
+    disable_access_log_for_endpoints: str = field(
+        default="/health,/load,/metrics",
+        metadata=flag(
+            "comma-separated paths without an access line (vLLM's flag; by default the "
+            "probes a router or balancer sends every second; '' logs every request)",
+            metavar="PATHS",
+        ),
     )
     num_blocks: int = 0  # measured by the worker, given to the scheduler
     kv_block_bytes: int = 0  # one block's bytes over all ranks of an engine (workers report)
@@ -355,6 +391,9 @@ class ServeConfig:
             check_choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.tokenizer_workers < 1:
             raise ConfigError("--tokenizer-workers must be at least 1")
+        if not 1 <= self.port <= 65535:
+            # 0 (any free port) too: the banner, routers and the KV events' topic name it
+            raise ConfigError(f"--port must be a port number (1-65535), got {self.port}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
         if not self.log_stats_interval > 0:
@@ -365,6 +404,12 @@ class ServeConfig:
             raise ConfigError("--max-log-len must be at least 0")
         if self.kv_offload_bytes is not None and self.kv_offloading_size is not None:
             raise ConfigError("give --kv-offload-bytes or --kv-offloading-size, not both")
+        if self.max_restarts < 0:
+            raise ConfigError("--max-restarts must be at least 0")
+        if not (math.isfinite(self.restart_window) and self.restart_window > 0):
+            raise ConfigError("--restart-window must be a positive number of seconds")
+        if not (math.isfinite(self.restart_backoff) and self.restart_backoff >= 0):
+            raise ConfigError("--restart-backoff must be a number of seconds, 0 or more")
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -26,7 +26,7 @@ from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.distributed import init_distributed, rank_state
 from services.gpu_worker.expert_load import ExpertLoadReport
 from services.gpu_worker.lockstep import DPLockstep, run_agreed_step, wait_for_every_rank
-from services.ipc import PushSocket, SubSocket, report_ready
+from services.ipc import STOP_SIGNAL, PushSocket, SubSocket, report_ready
 from services.kv_cache.capacity import check_kv_capacity
 from services.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from services.logging_utils import init_logger
@@ -38,10 +38,6 @@ from services.registry import WORKER_BACKENDS, load_backend
 logger = init_logger(__name__)
 
 STARTUP_TIMEOUT_S = 900.0  # as long as the launcher waits for every worker to be ready
-
-# How the launcher stops this process (launch/process.py:STOP_SIGNAL; this layer cannot import
-# it). A SIGTERM reaches it only with its whole process group: the launcher's to handle.
-STOP_SIGNAL = signal.SIGUSR1
 
 
 def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_rank: int = 0) -> None:

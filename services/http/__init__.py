@@ -7,8 +7,9 @@
 - ``disconnect``: ``until_disconnect``, racing a request's work against its client leaving.
 - ``streaming``: ``BoundedStreamingResponse`` (a stream whose client must keep reading) and
   ``RelayResponse`` (an upstream answer passed on, with one close hook that always runs).
-- ``middleware``: plain ASGI middlewares (X-Request-Id, internal errors, bearer auth).
-- ``server``: starting uvicorn: logging, the event loop, signals and readiness.
+- ``middleware``: plain ASGI middlewares (X-Request-Id, internal errors, bearer auth, the
+  access log line, the drain's 503s).
+- ``server``: starting uvicorn: the event loop, signals and readiness.
 
 It sits below every server in the layer contract (pyproject.toml): it imports only
 starlette, fastapi, uvicorn and the standard library, and knows nothing of engines, replicas

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import re
+import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from services.http.errors import error_response
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("services.http.access")
 
 
 class InternalErrorMiddleware:
@@ -81,3 +86,118 @@ class XRequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+_ID = re.compile(rb'^(?:data: ?)?\{\s*"id"\s*:\s*"([^"\\]{1,200})"')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_HEAD_BYTES = 512  # where the response's id is (its first key)
+_TAIL_BYTES = 4096  # where its usage is (the last object of a whole answer or a stream)
+
+
+class AccessLogMiddleware:
+    """One INFO line per HTTP request once its response has ended (vLLM's uvicorn access
+    log, with what an operator needs): client, method and path, status, the response's id
+    (its body's ``id``, else its ``X-Request-Id``), prompt and completion tokens where the
+    response reports its ``usage`` (a whole answer, or a stream with ``include_usage``),
+    and the seconds from the request's arrival to the response's last byte. No prompt or
+    output text (that is ``--enable-log-requests``'). A response that did not end (the
+    client left, the server stopped) is marked ``incomplete``. ``skip_paths``: paths
+    logged not at all (vLLM's ``--disable-access-log-for-endpoints``; the servers' default:
+    the probes /health, /load and /metrics)."""
+
+    def __init__(self, app: Any, skip_paths: Iterable[str] = ()) -> None:
+        self.app, self.skip = app, frozenset(skip_paths)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.skip:
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status: int | None = None
+        header_id: bytes | None = None
+        head = tail = b""
+        ended = False
+
+        async def send_logged(message: dict[str, Any]) -> None:
+            nonlocal status, header_id, head, tail, ended
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                header_id = next((v for k, v in message.get("headers", [])
+                                  if k.lower() == b"x-request-id"), None)  # fmt: skip
+            elif message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if len(head) < _HEAD_BYTES:
+                    head += body[: _HEAD_BYTES - len(head)]
+                tail = (tail + body)[-_TAIL_BYTES:]
+            await send(message)
+            if message["type"] == "http.response.body":
+                ended = not message.get("more_body", False)  # and sent
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            latency = time.perf_counter() - started
+            fields = [f"{scope['method']} {scope['path']}", str(status or "-")]
+            found = _ID.match(head)
+            request_id = found.group(1) if found else header_id
+            if request_id:
+                fields.append(f"id={request_id.decode('latin-1')}")
+            for name, pattern in (("prompt_tokens", _PROMPT_TOKENS),
+                                  ("completion_tokens", _COMPLETION_TOKENS)):  # fmt: skip
+                matches = pattern.findall(tail)
+                if matches:
+                    fields.append(f"{name}={int(matches[-1])}")
+            fields.append(f"latency={latency:.3f}s")
+            client = scope.get("client")
+            if client:
+                fields.append(f"client={client[0]}:{client[1]}")
+            if not ended:
+                fields.append("incomplete")
+            access_logger.info(" ".join(fields))
+
+
+class Drain:
+    """A server's requests in flight and its drain (``DrainMiddleware`` counts them).
+
+    ``await drain.finish(timeout_s)`` starts the drain: from then on new requests get 503
+    (``/health`` too, so a balancer in front stops sending here), while those in flight
+    (a stream until its last byte) get up to ``timeout_s`` seconds to end; it returns how
+    many are still in flight then."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
+
+    async def finish(self, timeout_s: float) -> int:
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight
+
+
+class DrainMiddleware:
+    """Counts the requests in flight on ``drain``; while it drains, answers new ones 503
+    (with ``Connection: close``: the client's next request goes to a new connection)."""
+
+    def __init__(
+        self, app: Any, drain: Drain, message: str = "the server is shutting down"
+    ) -> None:
+        self.app, self.drain, self.message = app, drain, message
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            response = error_response(503, self.message, "ServiceUnavailableError")
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1

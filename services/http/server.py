@@ -1,15 +1,13 @@
-"""Starting a server: logging, uvicorn on uvloop, signals, readiness.
+"""Starting a server: uvicorn on uvloop, signals, readiness.
 
-``actorserve router`` and ``actorserve pd-proxy`` call ``run_app`` with uvicorn's own
-signal handling (SIGINT/SIGTERM stop it). The api_server passes ``drain``: its launcher, not
-uvicorn, decides when to stop, and a signal starts the drain instead."""
+Every server passes ``drain``: a signal starts the drain instead of stopping uvicorn at once
+(the api_server's launcher decides when it stops; ``actorserve router`` and ``pd-proxy``
+drain through ``services/router/process.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -19,13 +17,6 @@ import uvicorn
 
 # uvicorn's exit status when the app does not start (its lifespan failed, the port is taken)
 STARTUP_FAILURE = 3
-
-
-def configure_logging() -> None:
-    """The servers' log format, at ``ACTORSERVE_LOGGING_LEVEL`` (INFO by default)."""
-    level = os.environ.get("ACTORSERVE_LOGGING_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def run_app(

@@ -7,11 +7,15 @@ healthy replica. A request moves to another replica only before its first byte r
 client: a refused connection, a 5xx answer or a connection lost before the first byte. After
 that, a replica that dies ends a stream with an OpenAI error event and ``[DONE]``, never a hang.
 
-Its own routes: ``/health`` (200 while a replica is healthy), ``/metrics`` (the router's,
-``services/router/metrics.py``), and with ``--api-key`` the admin endpoint
-``/admin/backends`` (``GET`` lists the replicas with what the router knows of them,
-``POST {"url": ...}`` adds one, ``DELETE {"url": ...}`` removes one; ``Authorization:
-Bearer KEY``). Clients' ``Authorization`` headers pass through to the replicas.
+Its own routes: ``/health`` (200 while a replica is healthy and the router is not
+draining), ``/metrics`` (the router's, ``services/router/metrics.py``), and with
+``--api-key`` the admin endpoint ``/admin/backends`` (``GET`` lists the replicas with what
+the router knows of them, ``POST {"url": ...}`` adds one, ``DELETE {"url": ...}`` removes
+one; ``Authorization: Bearer KEY``). Clients' ``Authorization`` headers pass through to
+the replicas.
+
+The process (``run_router``, ``services/router/process.py``): the servers' log format, a
+line per request (``--disable-uvicorn-access-log``), and a drain on SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,20 +25,20 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 
-import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from services.http.errors import add_error_handlers, error_response
-from services.http.server import configure_logging, run_app
+from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
 from services.router.policies import POLICIES
-from services.router.replicas import normalize_url
+from services.router.process import add_ops, serve, use_uvicorn_logging
+from services.router.replicas import check_url, normalize_url
 from services.router.router import Router
 
 __all__ = ["Router", "RouterConfig", "build_app", "run_router"]
 
-log = logging.getLogger("actorserve.router")
+log = logging.getLogger(__name__)
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -44,6 +48,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        use_uvicorn_logging()
         async with Router.new_client() as client:
             router = state["router"] = Router(config, client)
             try:
@@ -61,6 +66,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    add_ops(app, config, "router")
 
     def admin_denied(request: Request) -> Response | None:
         if config.api_key is None:
@@ -77,13 +83,8 @@ def build_app(config: RouterConfig) -> FastAPI:
             return denied
         try:
             body = await request.json()
-            url = normalize_url(str(body["url"]))
-            parsed = httpx.URL(url)
-            port_ok = parsed.port is None or 0 < parsed.port < 65536
-            if parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
-                raise ValueError(url)
-            return url
-        except (ValueError, KeyError, TypeError, httpx.InvalidURL):
+            return check_url(normalize_url(str(body["url"])))
+        except (ValueError, KeyError, TypeError):
             return error_response(
                 400, 'the body must be {"url": "http://host:port"}', "BadRequestError"
             )
@@ -156,7 +157,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
 
 def run_router(config: RouterConfig) -> int:
-    configure_logging()
+    configure_process_logging()
     app = build_app(config)
-    run_app(app, config.host, config.port, config.log_level)
-    return 0
+    n = len(config.backends)
+    return serve(app, config, "router", f"policy {config.policy}, {n} backend{'s' * (n != 1)}")

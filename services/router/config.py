@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from services.router.kv_events import Publisher
 
+# Paths without an access line by default: the probes balancers and routers send every
+# second (as the api_server's --disable-access-log-for-endpoints).
+QUIET_ENDPOINTS = "/health,/load,/metrics"
+
 
 @dataclass
 class RouterConfig:
@@ -24,7 +28,11 @@ class RouterConfig:
     health_check_interval: float = 2.0
     load_interval_ms: float = 100.0
     max_body_bytes: int = 64 << 20
-    log_level: str = "warning"
+    log_level: str = "warning"  # uvicorn's
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    access_log: bool = True  # a line per request (services/http/middleware.py)
+    access_log_skip: list[str] = field(default_factory=lambda: QUIET_ENDPOINTS.split(","))
+    role: str = "backend"  # what the log calls its replicas (the PD proxy: prefill, decode)
     seed: int | None = None
     # Replicas that do not report their KV event sockets (vLLM's): URL -> where they publish.
     kv_events: dict[str, Publisher] = field(default_factory=dict)

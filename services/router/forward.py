@@ -25,7 +25,7 @@ from services.router.load_guard import LoadGuard
 from services.router.metrics import RouterMetrics
 from services.router.replicas import Replica, ReplicaSet
 
-log = logging.getLogger("actorserve.router")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",

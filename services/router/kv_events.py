@@ -43,7 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from services.protocol import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 
-log = logging.getLogger("actorserve.router")
+log = logging.getLogger(__name__)
 
 END_SEQ = -1
 _DEVICE_MEDIA = (None, "GPU", "gpu")

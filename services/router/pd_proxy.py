@@ -13,12 +13,14 @@
 6. Its answer streams back through the proxy as it comes.
 
 Each side is a ``Router`` over its instances: health checks, load readings, retries on
-another instance before the first byte, exactly as ``actorserve router``.
+another instance before the first byte, exactly as ``actorserve router``; and the process
+is the router's (``services/router/process.py``: log format, access log, drain on SIGTERM).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -29,12 +31,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from services.http.errors import add_error_handlers, error_response
-from services.http.server import configure_logging, run_app
+from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
 from services.router.forward import parse_object
+from services.router.process import add_ops, serve, use_uvicorn_logging
 from services.router.router import Router
 
-log = logging.getLogger("actorserve.pd_proxy")
+log = logging.getLogger(__name__)
 
 _CHAT = {"/v1/completions": False, "/v1/chat/completions": True}
 
@@ -93,9 +96,15 @@ async def _read(response: Response) -> bytes:
 
 def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
     state: dict[str, PDProxy] = {}
+    # The log names each side's instances (unless the configs name them already).
+    if prefill.role == "backend":
+        prefill = dataclasses.replace(prefill, role="prefill")
+    if decode.role == "backend":
+        decode = dataclasses.replace(decode, role="decode")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        use_uvicorn_logging()
         async with Router.new_client() as pc, Router.new_client() as dc:
             proxy = state["proxy"] = PDProxy(Router(prefill, pc), Router(decode, dc))
             sides = (proxy.prefill, proxy.decode)
@@ -111,6 +120,7 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    add_ops(app, decode, "PD proxy")
 
     @app.get("/health")
     async def health() -> Response:
@@ -139,7 +149,10 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
 
 
 def run_pd_proxy(prefill: RouterConfig, decode: RouterConfig) -> int:
-    configure_logging()
+    """Serve until SIGTERM has drained it; the process's settings (host, port, drain, access
+    log) are ``decode``'s."""
+    configure_process_logging()
     app = build_pd_app(prefill, decode)
-    run_app(app, decode.host, decode.port, decode.log_level)
-    return 0
+    details = (f"prefill: {len(prefill.backends)} ({prefill.policy}), "
+               f"decode: {len(decode.backends)} ({decode.policy})")  # fmt: skip
+    return serve(app, decode, "PD proxy", details)

@@ -101,7 +101,7 @@ from services.router.kv_events import PreciseIndex
 from services.router.prefix_index import ApproxPrefixIndex
 from services.router.replicas import Replica
 
-log = logging.getLogger("actorserve.router")
+log = logging.getLogger(__name__)
 
 DEFAULT_A_S = 0.01  # seconds per request ahead, before any replica was measured
 DEFAULT_B_S = 1e-3  # seconds per prompt token to compute (a CPU's order)

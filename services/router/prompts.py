@@ -23,7 +23,7 @@ import pydantic
 
 from services.router.replicas import Replica
 
-log = logging.getLogger("actorserve.router")
+log = logging.getLogger(__name__)
 
 # Fields of a chat request that change its prompt (vLLM's /tokenize takes them all).
 _CHAT_FIELDS = ("add_generation_prompt", "add_special_tokens", "chat_template_kwargs",

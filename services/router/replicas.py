@@ -38,7 +38,7 @@ from typing import Any, TypeGuard
 
 import httpx
 
-log = logging.getLogger("actorserve.router")
+log = logging.getLogger(__name__)
 
 # The /metrics samples the router reads, summed over label sets (engines of one replica).
 _LOAD_SAMPLES = {
@@ -136,6 +136,7 @@ class Replica:
     step_s: float | None = None  # measured mean inter-token latency: one step at its load
     _sums: dict[str, float] = field(default_factory=dict)
     failures: int = 0
+    checked: bool = False  # its first health check ran (the log tells changes after it)
     admitted: bool = True  # False: its block hashes differ from the router's, kept out
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it leaves rotation
 
@@ -193,6 +194,10 @@ class ReplicaSet:
     cache geometry is first read, and returns whether the replica may serve (a replica
     whose block hashes differ from the router's is kept out); ``on_change(replica)`` when
     it enters or leaves the rotation.
+
+    The log tells each replica's arrival (healthy or not, and why), each change of its
+    health after that, and its removal; ``role`` names the replicas in it ("backend",
+    the PD proxy's "prefill" and "decode").
     """
 
     def __init__(
@@ -204,8 +209,10 @@ class ReplicaSet:
         on_geometry: Callable[[Replica], bool] | None = None,
         on_change: Callable[[Replica], None] | None = None,
         new_client: Callable[[], httpx.AsyncClient] | None = None,
+        role: str = "backend",
     ) -> None:
         self.client = client  # health and load readings
+        self.role = role
         self._new_client = new_client  # each replica's pool for requests (else ``client``)
         self.health_interval_s = health_interval_s
         self.load_interval_s = load_interval_s
@@ -227,7 +234,12 @@ class ReplicaSet:
             return self.replicas[url]
         pool = self._new_client() if self._new_client is not None else self.client
         replica = self.replicas[url] = Replica(url, pool)
-        await self.check_health(replica)
+        problem = await self.check_health(replica)
+        replica.checked = True
+        if problem is None:
+            log.info("%s %s added: healthy", self.role, url)
+        else:
+            log.warning("%s %s added: unhealthy (%s)", self.role, url, problem)
         tasks = [asyncio.create_task(self._health_loop(replica))]
         if self.load_interval_s is not None:
             tasks.append(asyncio.create_task(self._load_loop(replica)))
@@ -241,6 +253,8 @@ class ReplicaSet:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if replica is not None:
+            log.info("%s %s removed", self.role, url)
         if replica is not None and replica.client is not self.client:
             # Its open requests finish on their connections; then the pool closes.
             self._retired.add(replica)
@@ -263,10 +277,15 @@ class ReplicaSet:
                 await replica.client.aclose()
 
     async def _answers_health(self, replica: Replica) -> bool:
+        return await self._health_problem(replica) is None
+
+    async def _health_problem(self, replica: Replica) -> str | None:
+        """Why the replica fails ``GET /health``; None when it answers 200."""
         try:
-            return (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
-        except (httpx.HTTPError, OSError):
-            return False
+            status = (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code
+        except (httpx.HTTPError, OSError) as e:
+            return _why(e)
+        return None if status == 200 else f"GET /health answered {status}"
 
     async def close(self) -> None:
         for url in list(self.replicas):
@@ -282,7 +301,7 @@ class ReplicaSet:
         """A forwarded request could not reach the replica: out until its health check passes."""
         replica.failures += 1
         if replica.healthy:
-            log.warning("replica %s out of rotation: %s", replica.url, reason)
+            log.warning("%s %s unhealthy: %s", self.role, replica.url, reason)
             self._set_health(replica, False)
 
     def _set_health(self, replica: Replica, ok: bool) -> None:
@@ -296,10 +315,12 @@ class ReplicaSet:
         if changed and self._on_change is not None:
             self._on_change(replica)
 
-    async def check_health(self, replica: Replica) -> None:
-        try:
-            ok = await self._answers_health(replica)
-            if ok:
+    async def check_health(self, replica: Replica) -> str | None:
+        """One health check: ``/health`` (then ``/metrics``, at most every
+        ``METRICS_INTERVAL_S``); returns why the replica is out of rotation, None if in."""
+        problem = await self._health_problem(replica)
+        if problem is None:
+            try:
                 new = replica.geometry is None
                 if new or time.monotonic() - replica.metrics_at >= METRICS_INTERVAL_S:
                     await self.read_metrics(replica)
@@ -307,12 +328,18 @@ class ReplicaSet:
                     replica.geometry = CacheGeometry(16, "sha256")
                 if new and self._on_geometry is not None:
                     replica.admitted = self._on_geometry(replica)
-                ok = replica.admitted
-        except (httpx.HTTPError, OSError):
-            ok = False
-        if ok != replica.healthy:
-            log.info("replica %s %s", replica.url, "healthy" if ok else "unhealthy")
+                if not replica.admitted:
+                    problem = "kept out: its block hashes differ from the router's"
+            except (httpx.HTTPError, OSError) as e:
+                problem = f"GET /metrics: {_why(e)}"
+        ok = problem is None
+        if replica.checked and ok != replica.healthy:
+            if ok:
+                log.info("%s %s healthy", self.role, replica.url)
+            else:
+                log.warning("%s %s unhealthy: %s", self.role, replica.url, problem)
         self._set_health(replica, ok)
+        return problem
 
     async def read_metrics(self, replica: Replica) -> None:
         r = await self.client.get(f"{replica.url}/metrics", timeout=5.0)
@@ -381,6 +408,39 @@ def _count(value: Any) -> TypeGuard[float]:
         and math.isfinite(value)
         and value >= 0
     )
+
+
+def _why(e: BaseException) -> str:
+    """An HTTP failure in one line: its type, and its message where it has one."""
+    message = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {message[0]}" if message else type(e).__name__
+
+
+def check_url(url: str) -> str:
+    """``url`` (normalized) if it names a server: http or https, a host, a port in range;
+    else ValueError saying what is wrong, in one line."""
+    try:
+        parsed = httpx.URL(url)
+        port = parsed.port
+    except (httpx.InvalidURL, ValueError, TypeError) as e:
+        raise ValueError(f"{url!r} is not a URL ({e})") from None
+    if parsed.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: the scheme must be http or https")
+    if not parsed.host:
+        raise ValueError(f"{url!r} names no host")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"{url!r}: the port must be between 1 and 65535")
+    return url
+
+
+def backend_url(url: str) -> str:
+    """A replica's URL as given on the command line, normalized (``normalize_url``); the
+    scheme is required there (``host:port`` alone is refused: a typo would otherwise start
+    a router that answers 503 forever). ValueError in one line."""
+    text = url.strip()
+    if "://" not in text:
+        raise ValueError(f"{url!r} has no scheme: give it as http://{text}")
+    return check_url(normalize_url(text))
 
 
 def normalize_url(url: str) -> str:

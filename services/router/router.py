@@ -41,7 +41,7 @@ from services.router.prefix_index import ApproxPrefixIndex
 from services.router.prompts import PromptTokenizer
 from services.router.replicas import CacheGeometry, Replica, ReplicaSet
 
-log = logging.getLogger("actorserve.router")
+log = logging.getLogger(__name__)
 
 _GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
 
@@ -85,6 +85,7 @@ class Router:
             on_geometry=self._on_geometry,
             on_change=self._on_change,
             new_client=self.new_client,
+            role=c.role,
         )
         self.tokenizer = PromptTokenizer(c.tokenizer)
         self.forward = Forwarder(self.replicas, self.metrics, self.client)
@@ -113,7 +114,7 @@ class Router:
         elif not self.geometry.same_hashes(g):
             why = (f"it hashes blocks of {g.block_size} tokens with {g.hash_algo}, the router "
                    f"{self.geometry.block_size} with {self.geometry.hash_algo}")  # fmt: skip
-            log.error("replica %s kept out: %s", replica.url, why)
+            log.error("%s %s kept out: %s", self.config.role, replica.url, why)
             self.refused[replica.url] = why
             return False
         self.index.set_capacity(replica.url, g.num_blocks)
@@ -163,7 +164,7 @@ class Router:
             if g is not None and (block_size, algo) != (g.block_size, g.hash_algo):
                 why = (f"its KV events hash blocks of {block_size} tokens with {algo}, the "
                        f"router {g.block_size} with {g.hash_algo}")  # fmt: skip
-                log.error("replica %s kept out: %s", replica.url, why)
+                log.error("%s %s kept out: %s", self.config.role, replica.url, why)
                 self.refused[replica.url] = why
                 replica.admitted = False
                 self.replicas.mark_failed(replica, why)
@@ -286,7 +287,8 @@ class Router:
                 last_error = e
                 tried.add(replica.url)
                 self.metrics.retries.labels(replica.url).inc()
-                log.warning("request moved off %s before its first byte: %s", replica.url, e)
+                log.warning("request moved off %s %s before its first byte: %s",
+                            self.config.role, replica.url, e)  # fmt: skip
 
     async def passthrough(self, request: Request, path: str) -> Response:
         """Any other route: the least busy healthy replica (another one if it cannot be

@@ -1,0 +1,90 @@
+"""The router's and the PD proxy's process: the app on uvicorn (``services/http/server.py``),
+its log lines, and its drain.
+
+Both log in the servers' format (``services/logging_utils.py``; uvicorn's lines too),
+say where they listen, and on SIGTERM (or SIGINT) drain as the api_server does: new
+requests get 503 (``/health`` too), those in flight (a stream until its last byte) get
+``--shutdown-timeout`` seconds to end, then the process exits 0; streams still open then
+are cut. A second signal changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import FastAPI
+
+from services.http.middleware import AccessLogMiddleware, Drain, DrainMiddleware
+from services.http.server import run_app
+from services.logging_utils import configure_process_logging, use_for_uvicorn
+from services.router.config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_ops(app: FastAPI, config: RouterConfig, what: str) -> Drain:
+    """The middlewares every router process has: the drain (the innermost: it counts what
+    the app serves) and, outside it, the access log (``config.access_log``). The app's
+    ``Drain`` is returned and kept as ``app.state.drain``. (The app's lifespan calls
+    ``use_uvicorn_logging``.)"""
+    drain = app.state.drain = Drain()
+    app.add_middleware(DrainMiddleware, drain=drain, message=f"the {what} is shutting down")  # type: ignore[arg-type]
+    if config.access_log:
+        app.add_middleware(AccessLogMiddleware, skip_paths=config.access_log_skip)  # type: ignore[arg-type]
+    return drain
+
+
+def use_uvicorn_logging() -> None:
+    """uvicorn's lines in the servers' format, its access lines replaced by the access log.
+    Called in the app's lifespan: uvicorn has set up its loggers by then (``uvicorn.Config``
+    does), and only its first two start-up lines (INFO) went out before."""
+    use_for_uvicorn(access_log=False)
+    errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _CutByShutdown) for f in errors.filters):
+        errors.addFilter(_CutByShutdown())
+
+
+class _CutByShutdown(logging.Filter):
+    """Drops uvicorn's traceback of each request it cancels once the drain's timeout has
+    passed: the drain has said how many it cuts, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
+def serve(app: FastAPI, config: RouterConfig, what: str, details: str) -> int:
+    """Serve ``app`` (built with ``add_ops``) on ``config.host:port`` until SIGTERM or SIGINT
+    has drained it; 0 then. ``what``: "router" or "PD proxy", ``details``: said with where
+    it listens."""
+    configure_process_logging()
+    drain: Drain = app.state.drain
+    host = f"[{config.host}]" if ":" in config.host else config.host
+
+    async def stop() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        log.info("%s shutting down: draining %d request(s) in flight (up to %g s)",
+                 what, drain.in_flight, config.shutdown_timeout)  # fmt: skip
+        left = await drain.finish(config.shutdown_timeout)
+        if left:
+            log.warning("%s shutdown timeout (%g s): cutting %d request(s) still in flight",
+                        what, config.shutdown_timeout, left)  # fmt: skip
+        else:
+            log.info("%s drained in %.1f s", what, loop.time() - began)
+
+    def started() -> None:
+        log.info("%s listening on http://%s:%d (%s)", what, host, config.port, details)
+
+    run_app(
+        app,
+        config.host,
+        config.port,
+        config.log_level,
+        drain=stop,
+        on_started=started,
+        timeout_graceful_shutdown=1,
+    )
+    log.info("%s stopped", what)
+    return 0
