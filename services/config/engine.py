@@ -293,7 +293,8 @@ class WorkerConfig:
     sim_model: str | None = field(
         default=None,
         metadata=flag(
-            "simulated model: llama-3-8b, llama-3-70b, qwen3-0.6b or an HF config.json "
+            "simulated model: llama-3-8b, llama-3-70b, qwen3-0.6b, qwen3-30b-a3b, "
+            "deepseek-v3 or an HF config.json "
             "(default: --model's); the tokenizer stays --model's"
         ),
     )
@@ -313,9 +314,10 @@ class WorkerConfig:
         """ "cpu" or "cuda": ``device``, with "auto" meaning CUDA when torch sees a GPU."""
         if self.device != "auto":
             return self.device
-        import torch  # only here: config is imported by processes that never need torch
+        # Not ``import torch``: the launcher resolves this and never needs torch.
+        from services.config.device import torch_sees_cuda
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch_sees_cuda() else "cpu"
 
 
 _SECTIONS = ("model", "cache", "scheduler", "worker", "parallel")

@@ -143,13 +143,13 @@ def run_worker(config: ServeConfig, control_endpoint: str, rank: int = 0, dp_ran
                 assert plan is not None
                 result = worker.execute(plan)
             end = clock.perf_counter()
-            if plan is None:
-                continue
-            forward_time.observe(end - start)
-            if (seen := worker.device_seconds()) is not None:
+            if (seen := worker.device_seconds()) is not None:  # a dummy step's time too
                 for state, total, last in zip(("busy", "idle"), seen, device_last, strict=True):
                     device[state].inc(total - last)
                 device_last = seen
+            if plan is None:
+                continue
+            forward_time.observe(end - start)
             if trace is not None:
                 trace.record(plan, start, end)
             if results is not None:

@@ -1,6 +1,17 @@
 """The model folder a simulated server runs on: the simulated model's ``config.json`` (a
 shipped one by name, or any HF config) with a real tokenizer (``--model``'s, or the
-default model's), whose BOS and EOS ids it takes, since those come from the tokenizer."""
+default model's), whose BOS and EOS ids it takes, since those come from the tokenizer.
+
+Some architectures only the simulated backend models (``SIM_ONLY_ARCHITECTURES``:
+DeepSeek-V2/V3, whose multi-head latent attention the engine does not implement). The
+folder's ``config.json`` then names a supported architecture of the same layer layout
+(Qwen3-MoE: routed experts, dense first layers as ``mlp_only_layers``), so that every
+process of the server can read it, keeps every original field the sim worker reads (MLA's
+ranks, the shared experts, fp8 weights), and says what it stands for under
+``SIM_ARCHITECTURE_KEY``. The real worker never sees such a folder (``--sim-model`` is
+refused without ``--worker-backend sim``), and the original config is refused by
+``ModelArchConfig`` as an unsupported architecture.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +21,55 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from services.flags import ConfigError
 
 MODELS_DIR = Path(__file__).parent / "sim_models"
 _NOT_TOKENIZER = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+# Modelled by the simulated backend only (the real worker refuses them): the architecture
+# the sim folder's config.json names instead.
+SIM_ONLY_ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "Qwen3MoeForCausalLM",
+}
+SIM_ARCHITECTURE_KEY = "actorserve_sim_architecture"
+
+
+def sim_engine_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` as the engine's processes read it: unchanged for an architecture the
+    engine runs; for one in ``SIM_ONLY_ARCHITECTURES`` its stand-in (module docstring).
+
+    DeepSeek's layer ``i`` has routed experts when ``i >= first_k_dense_replace`` and
+    ``i % moe_layer_freq == 0``; the others keep a dense MLP of ``intermediate_size``
+    (Qwen3-MoE's ``mlp_only_layers``). ``head_dim`` is the query/key head width
+    (``qk_nope_head_dim + qk_rope_head_dim``); the KV cache and attention cost are the sim
+    worker's MLA terms (``services/gpu_worker/sim/cost_model.py``), not these heads'."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else ""
+    if arch not in SIM_ONLY_ARCHITECTURES:
+        return config
+    try:
+        layers = int(config["num_hidden_layers"])
+        first_dense = int(config.get("first_k_dense_replace", 0))
+        freq = max(1, int(config.get("moe_layer_freq", 1)))
+        num_experts = int(config["n_routed_experts"])
+        head_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{arch} config.json is missing or has a bad value for {e}") from None
+    dense = [i for i in range(layers) if i < first_dense or i % freq]
+    return {
+        **config,
+        "architectures": [SIM_ONLY_ARCHITECTURES[arch]],
+        SIM_ARCHITECTURE_KEY: arch,
+        "num_experts": num_experts,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "head_dim": head_dim,
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+    }
 
 
 def shipped_models() -> list[str]:
@@ -40,7 +95,7 @@ def sim_config_path(sim_model: str) -> Path:
 def sim_model_folder(sim_model: str, tokenizer_folder: Path) -> Path:
     """A folder (made once per content, private to this user) with the simulated model's
     config and links to the tokenizer files of ``tokenizer_folder``."""
-    config = json.loads(sim_config_path(sim_model).read_text())
+    config = sim_engine_config(json.loads(sim_config_path(sim_model).read_text()))
     tok_config = tokenizer_folder / "config.json"
     if tok_config.exists():
         tok = json.loads(tok_config.read_text())

@@ -18,6 +18,18 @@ tokens, and it charges the time of every stage (ranks of a stage run in parallel
 stages of one step run one after another: the simulation does not overlap a pipeline's
 micro-batches). The other ranks only follow the plans.
 
+Expert parallelism over data-parallel engines (``ParallelConfig.dp_lockstep``): before
+each step the worker loop tells every rank each engine's token count
+(``begin_dp_step``); the step then lasts what ``StepCostModel.step_cost`` gives for the
+whole lock-step step (this engine's attention and dense part, or more if another
+engine's count alone shows it is slower; the routed experts over every engine's tokens;
+dispatch and combine), and an engine with no tokens of its own spends that time in
+``execute_dummy``. Each engine knows only its own work exactly, so the slowest engine
+computes the longest step, and the next agreement waits for it: the fleet's pace is the
+slowest engine's. In lock-step the device's timeline starts each step at the agreement
+(``begin_dp_step``), not when the plan was sent: the wait for the slowest engine is
+counted as idle, never made up in the next step.
+
 Tokens are a function of the request (its prompt, and its seed when it has one; an
 unseeded request that samples also its id, as a real sampler would differ) and of the
 output position, so a greedy or seeded request gives the same tokens every run, and
@@ -47,11 +59,13 @@ from services.gpu_worker.distributed import ParallelState
 from services.gpu_worker.sim.cost_model import (
     RequestWork,
     SimHardware,
+    StepCost,
     StepCostModel,
     sim_dtype,
 )
-from services.model_arch import ModelArchConfig
+from services.gpu_worker.sim.model_shape import load_sim_model
 from services.model_loader import load_hf_config
+from services.model_loader.sim_model import SIM_ARCHITECTURE_KEY
 from services.protocol import KVLayout, NewRequest, StepPlan, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -171,19 +185,25 @@ class SimWorker(WorkerBackend):
         w = config.worker
         self.config = config
         self.parallel = parallel
-        self.arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
+        hf = load_hf_config(folder)
+        self.arch, extras = load_sim_model(hf)
+        self.architecture = str(hf.get(SIM_ARCHITECTURE_KEY, self.arch.architecture))
         self.hardware = SimHardware.load(w.sim_hardware)
         dtype = config.model.dtype
         if dtype == "auto":
-            dtype = str(load_hf_config(folder).get("torch_dtype", "bfloat16"))
-        stages = config.parallel.stage_layers(self.arch.num_hidden_layers)
+            dtype = str(hf.get("torch_dtype", "bfloat16"))
+        p = config.parallel
+        stages = p.stage_layers(self.arch.num_hidden_layers)
         self.cost = StepCostModel(
             self.arch,
             self.hardware,
             sim_dtype(dtype),
-            config.parallel.tensor_parallel_size,
+            p.tensor_parallel_size,
             [end - start for start, end in stages],
             config.cache.kv_cache_dtype,
+            expert_parallel_size=p.expert_parallel_size,
+            data_parallel_size=p.data_parallel_size if p.dp_lockstep else 1,
+            extras=extras,
         )
         self.speed = w.sim_speed
         self.lengths = OutputLengths(w.sim_eos) if w.sim_eos else None
@@ -192,7 +212,13 @@ class SimWorker(WorkerBackend):
         self.requests: dict[str, _SimRequest] = {}
         self.modelled_s = 0.0  # the device's busy time so far, in simulated seconds
         self.idle_s = 0.0  # its time waiting for a plan after the first, simulated seconds
+        self.last_step_s = 0.0  # the modelled time of the last step (or dummy step)
+        self.last_cost = StepCost()  # ... by part
         self._free_at: float | None = None  # (time.monotonic) when it ends its last step
+        # Lock-step (begin_dp_step): each engine's tokens this step, and when the ranks
+        # agreed on it (time.monotonic): the step starts then.
+        self._dp_tokens: tuple[int, ...] | None = None
+        self._agreed_at = 0.0
 
     def determine_num_blocks(self) -> int:
         """What ``--gpu-memory-utilization`` of the simulated memory holds after the
@@ -225,10 +251,13 @@ class SimWorker(WorkerBackend):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         logger.info(
-            "sim: %s on %s x%d, %d KV blocks (nothing allocated), --sim-speed %g",
-            self.arch.architecture,
+            "sim: %s on %s x%d (EP %d over %d engines), %d KV blocks (nothing allocated), "
+            "--sim-speed %g",
+            self.architecture,
             self.hardware.name,
             self.parallel.world_size,
+            self.cost.ep,
+            self.cost.dp,
             num_blocks,
             self.speed,
         )
@@ -283,12 +312,44 @@ class SimWorker(WorkerBackend):
             result.logprobs.append(None if sim.logprobs is None else TokenLogprobs(token, 0.0, 1))
         if all(lp is None for lp in result.logprobs):
             result.logprobs = []  # none asked: nothing on the wire
-        modelled = self.cost.step_time(work)
+        tokens = self._dp_tokens
+        if tokens is None:
+            self._advance(self.cost.step_cost(work), plan.sent_at or arrived)
+        elif plan.total_num_scheduled_tokens or not any(tokens):
+            cost = self.cost.step_cost(work, tokens, self.parallel.dp_rank)
+            self._advance(cost, self._agreed_at)
+        else:  # an empty plan in a step the others run: execute_dummy takes the step
+            self._advance(StepCost(), self._agreed_at)
+        return result
+
+    def begin_dp_step(self, num_tokens: tuple[int, ...]) -> None:
+        if len(num_tokens) != self.cost.dp or self.parallel.dp_rank >= len(num_tokens):
+            raise ValueError(
+                f"lock-step token counts {num_tokens} for {self.cost.dp} engines, "
+                f"this one {self.parallel.dp_rank}"
+            )
+        self._dp_tokens = tuple(num_tokens)
+        self._agreed_at = time.monotonic()
+
+    def execute_dummy(self) -> None:
+        """The lock-step step's MoE layers with none of this engine's tokens: the device
+        is busy as long as the engines that have some."""
+        tokens = self._dp_tokens
+        if not self.parallel.is_output_rank or not tokens or not any(tokens):
+            return  # nobody has tokens: no step
+        self._advance(self.cost.step_cost([], tokens, self.parallel.dp_rank), self._agreed_at)
+
+    def _advance(self, cost: StepCost, start: float) -> None:
+        """Run the device for ``cost.total`` simulated seconds from ``start`` (monotonic).
+
+        The device's timeline: it starts the step when the plan was sent (in lock-step:
+        when the ranks agreed on the step), or when it ends the previous step if that is
+        later. A late wake-up of this process (a busy host) is made up in the next step,
+        as a device that never waited would."""
+        modelled = cost.total
+        self.last_cost = cost
+        self.last_step_s = modelled
         self.modelled_s += modelled
-        # The device's timeline: it starts the step when the plan was sent, or when it ends
-        # the previous step if that is later. A late wake-up of this process (a busy host)
-        # is made up in the next step, as a device that never waited would.
-        start = plan.sent_at or arrived
         if self._free_at is not None:
             self.idle_s += max(0.0, start - self._free_at) / self.speed
             start = max(start, self._free_at)
@@ -296,16 +357,17 @@ class SimWorker(WorkerBackend):
         remaining = self._free_at - time.monotonic()
         if remaining > 0:
             time.sleep(remaining)
-        return result
 
     def kv_caches_for_transfer(self) -> tuple[list[Any], KVLayout]:
         """No tensors; the layout a real rank would have (what a transfer would move)."""
         a, stage = self.arch, self.parallel.pp_rank
+        # MLA's one latent row a token, as a K and a V half of one head each
+        head_dim = a.head_dim if self.cost.mla is None else self.cost.mla.cache_dim // 2
         layout = KVLayout(
             num_layers=self.cost.stage_layers[stage],
             block_size=self.config.cache.block_size,
             num_kv_heads=self.cost.kv_heads,
-            head_dim=a.head_dim,
+            head_dim=head_dim,
             dtype=f"sim-{self.cost.dtype}-kv-{self.cost.kv_cache_dtype}",
         )
         return [], layout
