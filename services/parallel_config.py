@@ -77,6 +77,15 @@ class ParallelConfig:
             aliases=("-ep",),
         ),
     )
+    all2all_backend: str = field(
+        default="allgather_reducescatter",
+        metadata=flag(
+            "how expert parallelism moves tokens: allgather_reducescatter (vLLM's default: "
+            "every engine's tokens to every rank, the sums back) or all_to_all (each "
+            "(token, expert) pair only to the rank holding the expert, and back)",
+            choices=("allgather_reducescatter", "all_to_all"),
+        ),
+    )
     nnodes: int = field(
         default=1, metadata=flag("machines the worker ranks of one engine core span")
     )

@@ -28,7 +28,8 @@ class ParallelState:
     Expert parallelism: ``ep_rank`` of ``ep_size`` ranks hold the experts. With engine
     cores in lock-step (``dp_size`` > 1) this is engine ``dp_rank``; ``dp_group`` joins
     this TP rank of every engine core, ``step_group`` (gloo, on the CPU) every rank of
-    every engine core for the per-step agreement."""
+    every engine core for the per-step agreement; ``ep_group`` all the expert-parallel ranks
+    (in ``ep_rank`` order) for ``--all2all-backend all_to_all``."""
 
     rank: int = 0
     world_size: int = 1
@@ -44,6 +45,8 @@ class ParallelState:
     dp_size: int = 1
     dp_group: Any = None
     step_group: Any = None
+    ep_group: Any = None
+    all2all_backend: str = "allgather_reducescatter"
 
     @property
     def is_first_stage(self) -> bool:
@@ -156,13 +159,14 @@ def init_distributed(
         dp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
         step = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
         return rank_state(
-            parallel, rank, num_layers, tp_groups[dp_rank], dp_rank, dp_groups[rank % tp], step
-        )
+            parallel, rank, num_layers, tp_groups[dp_rank], dp_rank, dp_groups[rank % tp], step,
+            ep_group=dist.group.WORLD,
+        )  # fmt: skip
     group: Any = dist.group.WORLD
     if pp > 1:
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         group = groups[rank // tp]
-    return rank_state(parallel, rank, num_layers, group)
+    return rank_state(parallel, rank, num_layers, group, ep_group=group)
 
 
 def local_device_index(parallel: ParallelConfig, rank: int, dp_rank: int) -> int:
@@ -181,6 +185,7 @@ def rank_state(
     dp_rank: int = 0,
     dp_group: Any = None,
     step_group: Any = None,
+    ep_group: Any = None,
 ) -> ParallelState:
     """Rank ``rank`` of engine ``dp_rank``'s coordinates in the layout; ``group``: its TP
     group, if one was formed (a backend without collectives, such as the simulated one,
@@ -202,6 +207,8 @@ def rank_state(
         dp_size=parallel.data_parallel_size if lockstep else 1,
         dp_group=dp_group,
         step_group=step_group,
+        ep_group=ep_group,
+        all2all_backend=parallel.all2all_backend,
     )
 
 

@@ -42,6 +42,7 @@ class ExpertLoadReport:
                 f"{INTERVAL_ENV} must be a number of seconds, got {os.environ[INTERVAL_ENV]!r}"
             ) from None
         self._last = time.monotonic()
+        self.own_rank: int | None = None  # counting only this expert-parallel rank's experts
 
     @classmethod
     def for_rank(
@@ -49,12 +50,16 @@ class ExpertLoadReport:
     ) -> ExpertLoadReport | None:
         """The reporter of this rank if it is the one that reports (TP rank 0 of the last
         stage; in lock-step, of engine 0), and the model has experts."""
-        if not parallel.is_output_rank or (parallel.dp_size > 1 and parallel.dp_rank != 0):
-            return None
-        if worker.expert_load() is None:
+        # With --all2all-backend all_to_all a rank sees only the pairs sent to its experts:
+        # every rank reports those. Else every rank sees the whole step's routing: one does.
+        own = parallel.ep_size > 1 and parallel.all2all_backend == "all_to_all"
+        first = parallel.is_output_rank and (parallel.dp_size == 1 or parallel.dp_rank == 0)
+        if not (own or first) or worker.expert_load() is None:
             return None
         counter, labels = expert_tokens(config, dp_rank)
-        return cls(worker, counter, labels, parallel.ep_size)
+        report = cls(worker, counter, labels, parallel.ep_size)
+        report.own_rank = parallel.ep_rank if own else None
+        return report
 
     def maybe_report(self) -> None:
         now = time.monotonic()
@@ -74,6 +79,14 @@ class ExpertLoadReport:
                 self._counter.labels(*self._labels, str(expert), str(expert // per_rank)).inc(n)
         hottest = max(range(len(load)), key=load.__getitem__)
         share = 100.0 * load[hottest] / total
+        if self.own_rank is not None:
+            mine = load[self.own_rank * per_rank : (self.own_rank + 1) * per_rank]
+            logger.info(
+                "expert load over %.0f s: expert-parallel rank %d's experts got %d (token, "
+                "expert) pairs, %.2f x an even share of them; hottest expert %d (%.1f%%)",
+                seconds, self.own_rank, total, imbalance(mine), hottest, share,
+            )  # fmt: skip
+            return load
         if self.ep_size == 1:
             logger.info(
                 "expert load over %.0f s: %d (token, expert) pairs; over the experts imbalance "

@@ -80,6 +80,8 @@ class ExpertDispatch:
     def run(self, x: torch.Tensor, block: MoeLayer) -> torch.Tensor:
         """``block``'s output for this engine's tokens ``x``, its experts spread over ranks."""
         p = self.parallel
+        if p.all2all_backend == "all_to_all":
+            return self._run_all_to_all(x, block)
         if p.dp_size == 1:
             weights, ids = block.route(x)
             return p.all_reduce(block.experts(x, weights, ids))
@@ -124,6 +126,55 @@ class ExpertDispatch:
             return out[:n]
         dist.all_reduce(shares, group=p.dp_group)  # gloo has no reduce-scatter
         return shares[start : start + n]
+
+    def _run_all_to_all(self, x: torch.Tensor, block: MoeLayer) -> torch.Tensor:
+        """``--all2all-backend all_to_all``: each (token, expert) pair travels to the rank
+        holding its expert and its result back (``all_to_all_single``, uneven splits; gloo
+        and NCCL both have it), instead of every token to every engine. The TP ranks of an
+        engine hold the same tokens: each sends a contiguous share, and an all-gather over
+        the TP group puts the engine's rows back together."""
+        p = self.parallel
+        n, hidden = x.shape
+        shares = torch.tensor_split(torch.arange(n, device=x.device), p.tp_size)
+        rows = shares[p.tp_rank]
+        mine = x[rows]
+        weights, ids = block.route(mine)
+        k = ids.shape[1]
+        per_rank = self.num_experts // p.ep_size
+        owner = (ids // per_rank).reshape(-1)
+        order = torch.argsort(owner, stable=True)  # pairs grouped by the rank they go to
+        send_counts = torch.bincount(owner, minlength=p.ep_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=p.ep_group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()  # the one host sync
+        pair_token = order // k
+        sent_ids = ids.reshape(-1)[order]
+        got_x = x.new_empty(sum(recv), hidden)
+        dist.all_to_all_single(got_x, mine[pair_token].contiguous(), recv, send, group=p.ep_group)
+        got_ids = sent_ids.new_empty(sum(recv))
+        dist.all_to_all_single(got_ids, sent_ids.contiguous(), recv, send, group=p.ep_group)
+        # Each received pair alone (top-1, weight 1): its expert's output for its token.
+        ones = torch.ones(got_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        done = block.experts(got_x, ones, got_ids[:, None]) if len(got_ids) else got_x
+        back = x.new_empty(order.shape[0], hidden)
+        dist.all_to_all_single(back, done, send, recv, group=p.ep_group)
+        out = torch.zeros(mine.shape[0], hidden, dtype=torch.float32, device=x.device)
+        weight = weights.reshape(-1)[order].float()[:, None]
+        out.index_add_(0, pair_token, back.float() * weight)
+        out = out.to(x.dtype)
+        if p.tp_size == 1:
+            return out
+        return self._gather_tp(out, [len(r) for r in shares])
+
+    def _gather_tp(self, part: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The TP ranks' row shares (``sizes``, in rank order) concatenated."""
+        p = self.parallel
+        longest = max(sizes)
+        padded = part.new_zeros(longest, part.shape[1])
+        padded[: part.shape[0]] = part
+        parts = [torch.empty_like(padded) for _ in range(p.tp_size)]
+        dist.all_gather(parts, padded, group=p.group)
+        return torch.cat([t[:n] for t, n in zip(parts, sizes, strict=True)])
 
     def dummy_forward(self, layers: Sequence[MoeLayer], hidden_size: int,
                       dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
