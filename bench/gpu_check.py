@@ -125,7 +125,8 @@ MODULES = (
     "services.config", "services.model_loader.weights", "services.gpu_worker.model_runner",
     "services.gpu_worker.attention.torch_backend", "services.gpu_worker.model.llama",
     "tests.conftest", "tests.test_kernels", "tests.test_cuda_graphs", "tests.test_fused_kernels",
-    "tests.test_kv_quant_kernels", "bench.gpu_decode", "bench.gpu_serve",
+    "tests.test_kv_quant_kernels", "tests.test_fused_moe_triton", "actorserve_kernels.moe",
+    "actorserve_kernels.fused_moe_triton", "bench.gpu_decode", "bench.gpu_serve",
     "launch.cli", "launch.serve", "launch.child", "services.gpu_worker.worker",
     "services.scheduler.service", "services.tokenizer.service", "services.detokenizer.service",
     "services.api_server.process", "zmq", "uvicorn", "httptools", "uvloop", "bench.serve",
@@ -178,7 +179,8 @@ def git_commit() -> str | None:
 
 # In this order: what issue 31 changed first; test_kernels (67 s on the H200) last.
 TEST_FILES = ("tests/test_cuda_graphs.py", "tests/test_fused_kernels.py",
-              "tests/test_kv_quant_kernels.py", "tests/test_kernels.py")  # fmt: skip
+              "tests/test_kv_quant_kernels.py", "tests/test_kernels.py",
+              "tests/test_fused_moe_triton.py")  # fmt: skip
 
 
 def tests_command(files: tuple[str, ...] = TEST_FILES, workers: int = 4) -> list[str]:
@@ -370,6 +372,36 @@ def quantized_attention_case(kv: str, batch: int, ctx: int, bandwidth: float) ->
     return row(name, ours, plain, kv_bytes / bandwidth * 1e3, note)
 
 
+# Qwen3-30B-A3B's MoE layer: hidden 2048, 128 experts of width 768, top-8.
+MOE_SHAPE = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
+
+
+def moe_case(tokens: int, bandwidth: float) -> dict:
+    """One MoE layer through the Triton fused-MoE kernel (issue 33) against the torch
+    reference (expert by expert); the floor reads the weights of the experts the tokens hit."""
+    from actorserve_kernels.fused_moe_triton import fused_moe
+    from actorserve_kernels.moe import fused_experts_ref
+
+    h, i, e, k = (MOE_SHAPE[n] for n in ("hidden", "inter", "experts", "top_k"))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(tokens, h, device=DEVICE, dtype=DTYPE, generator=gen)
+    w13 = torch.randn(e, 2 * i, h, device=DEVICE, dtype=DTYPE, generator=gen) * 0.02
+    w2 = torch.randn(e, h, i, device=DEVICE, dtype=DTYPE, generator=gen) * 0.02
+    logits = torch.randn(tokens, e, device=DEVICE, generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    ours = cuda_time_ms(lambda: fused_moe(x, w13, w2, weights, ids))
+    ref = cuda_time_ms(lambda: fused_experts_ref(x, w13, w2, weights, ids), warmup=2, iters=5)
+    got, want = (
+        fused_moe(x, w13, w2, weights, ids).float(),
+        fused_experts_ref(x, w13, w2, weights, ids).float(),
+    )
+    err = float((got - want).norm() / want.norm())
+    hit = int(torch.unique(ids).numel())
+    floor = hit * 3 * h * i * DTYPE.itemsize / bandwidth * 1e3
+    note = f"ref: torch expert by expert; {hit} experts hit; rel err {err:.1e}"
+    return row(f"fused MoE T={tokens} (qwen3-30b-a3b layer)", ours, ref, floor, note)
+
+
 def bench_attention(bandwidth: float, deadline: float, rows: list[dict]) -> None:
     """Appends one row per case to ``rows`` (as it goes: an interrupt keeps the ones done)."""
     cases = [("decode", 64, 1, CONTEXT), ("decode", 256, 1, CONTEXT), ("decode", 4, 1, 16384),
@@ -387,6 +419,15 @@ def bench_attention(bandwidth: float, deadline: float, rows: list[dict]) -> None
                 rows.append(attention_case(kind, batch, q_len, ctx, bandwidth))
         except Exception as e:  # one failing case must not hide the others
             rows.append(row(name, None, None, None, f"FAILED: {type(e).__name__}: {e}"[:200]))
+        torch.cuda.empty_cache()
+    for tokens in (1, 64, 1024):
+        if time.monotonic() > deadline:
+            break
+        try:
+            rows.append(moe_case(tokens, bandwidth))
+        except Exception as e:
+            rows.append(row(f"fused MoE T={tokens}", None, None, None,
+                            f"FAILED: {type(e).__name__}: {e}"[:200]))  # fmt: skip
         torch.cuda.empty_cache()
 
 
