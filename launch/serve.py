@@ -145,7 +145,7 @@ def startup_summary(config: ServeConfig, hf: dict[str, Any]) -> list[str]:
     if sim and w.sim_model is not None and config.served_model_names == [w.sim_model]:
         why = " (the --sim-model's name, not --model's; --served-model-name to choose)"
     lines.append(f"served model name: {names}{why}")
-    from services.model_loader.gguf_convert import gguf_source
+    from services.model_loader.gguf_record import gguf_source
 
     gguf = not sim and m.load_format != "dummy" and gguf_source(Path(config.model_folder))
     quant_kernels = gguf and m.quantization != "none" and device == "cpu"
@@ -361,15 +361,15 @@ def check_model_files(engine: EngineConfig, folder: Path) -> None:
     or not). After ``EngineConfig.finalize`` (the model runner's own checks, earlier)."""
     m = engine.model
     if engine.worker.worker_backend != "sim" and engine.worker.device == "cuda":
-        import torch
+        from services.config.device import torch_sees_cuda  # torch stays out of the launcher
 
-        if not torch.cuda.is_available():
+        if not torch_sees_cuda():
             raise ConfigError("--device cuda was asked for but torch sees no CUDA device")
     if engine.worker.worker_backend == "sim" or m.load_format == "dummy":
         return
     if m.quantization != "gguf" and m.cpu_activation_quant != "int8":
         return
-    from services.model_loader.gguf_convert import gguf_source
+    from services.model_loader.gguf_record import gguf_source
 
     if gguf_source(folder) is not None:
         return

@@ -25,6 +25,9 @@ from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, ReaderT
 from safetensors.torch import save_file
 
 from services.model_loader.errors import ModelLoadError
+from services.model_loader.gguf_record import gguf_source as gguf_source  # re-exported
+from services.model_loader.gguf_record import record_source as record_source  # re-exported
+from services.model_loader.gguf_record import source_record
 from services.model_loader.gguf_tensors import (
     IGNORED_TENSORS,
     ROUTER_TENSOR,
@@ -363,42 +366,6 @@ def _num_hf_tensors(tensors: dict[str, ReaderTensor], config: dict[str, Any]) ->
     experts = _num_experts(config)
     stacked = sum(1 for name in tensors if hf_expert_names(name, 1) is not None)
     return len(tensors) + stacked * (experts - 1) if experts else len(tensors)
-
-
-def source_record(gguf_path: Path) -> dict[str, Any]:
-    """``source.json``'s content for a GGUF file: its path, size and modification time."""
-    st = gguf_path.stat()
-    return {"gguf": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def record_source(folder: Path, gguf_path: Path) -> None:
-    """Point ``folder/source.json`` at ``gguf_path`` (a file whose digest names the folder):
-    the folder is shared by every copy of the same file, and the last one prepared is the
-    one known to exist now."""
-    record = source_record(gguf_path)
-    path = Path(folder) / "source.json"
-    try:
-        if json.loads(path.read_text()) == record:
-            return
-    except (OSError, ValueError):
-        pass
-    tmp = path.with_name(f".source.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # an unwritable cache: gguf_source then finds it or not
-
-
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file a converted folder was made from, when it is still there unchanged
-    (same size and modification time as when it was prepared)."""
-    try:
-        record = json.loads((Path(folder) / "source.json").read_text())
-        path = Path(record["gguf"])
-        return path if source_record(path) == record else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def iter_gguf_weights(

