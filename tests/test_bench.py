@@ -643,7 +643,7 @@ def test_gpu_check_agreement_over_every_step() -> None:
 
 
 def test_gpu_check_kernel_tests_report_failures_and_time_out(tmp_path: Path) -> None:
-    """Part 1: the four kernel test files, in order; a failing test is reported (the check
+    """Part 1: the kernel test files, in order (the longest last); a failing test is reported (the check
     goes on); past the limit pytest is interrupted and says what ran."""
     import sys
 
