@@ -32,7 +32,7 @@ from services.http.errors import add_error_handlers, error_response
 from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
 from services.router.policies import POLICIES
-from services.router.process import add_ops, serve, use_uvicorn_logging
+from services.router.process import GenerateRoutes, add_ops, serve, use_uvicorn_logging
 from services.router.replicas import check_url, normalize_url
 from services.router.router import Router
 
@@ -66,6 +66,8 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    # (innermost: inside the drain and the access log)
+    app.add_middleware(GenerateRoutes, generate=lambda r, p: state["router"].generate(r, p))  # type: ignore[arg-type]
     add_ops(app, config, "router")
 
     def admin_denied(request: Request) -> Response | None:
@@ -128,14 +130,6 @@ def build_app(config: RouterConfig) -> FastAPI:
         if not await state["router"].remove_replica(url):
             return error_response(404, f"no backend {url}", "NotFoundError")
         return JSONResponse({"url": url, "removed": True})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await state["router"].generate(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await state["router"].generate(request, "/v1/chat/completions")
 
     @app.api_route("/admin/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def admin_other(request: Request, rest: str) -> Response:

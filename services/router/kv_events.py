@@ -41,11 +41,19 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from services.protocol import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVCacheEvent
+from services.protocol import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 
 log = logging.getLogger(__name__)
 
 END_SEQ = -1
+_POLLIN = int(zmq.POLLIN)
 _DEVICE_MEDIA = (None, "GPU", "gpu")
 _STORED_FIELDS = (
     "block_hashes",
@@ -104,9 +112,21 @@ def _check_hashes(hashes: Any) -> list[BlockHash]:
     return hashes
 
 
+_BATCH = msgspec.msgpack.Decoder(KVEventBatch)
+
+
 def decode_batch(payload: bytes) -> DecodedBatch:
     """A ``KVEventBatch`` payload (msgpack) in either of vLLM's encodings; ValueError for
-    anything else."""
+    anything else. Ours (array-like, the kinds it knows) decode straight into the event
+    structs; anything else through the generic path."""
+    try:
+        batch = _BATCH.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _decode_any(payload)
+    return DecodedBatch(batch.ts, list(batch.events), batch.data_parallel_rank)
+
+
+def _decode_any(payload: bytes) -> DecodedBatch:
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
@@ -152,7 +172,7 @@ class PreciseIndex:
         for event in events:
             if isinstance(event, BlockStored):
                 held = device if event.medium in _DEVICE_MEDIA else lower
-                held.update(key(h) for h in event.block_hashes)
+                held.update(map(key, event.block_hashes))
             elif isinstance(event, BlockRemoved):
                 held = device if event.medium in _DEVICE_MEDIA else lower
                 for k in map(key, event.block_hashes):
@@ -182,17 +202,24 @@ class PreciseIndex:
         """For each replica, the longest leading run of ``hashes`` one of its engines holds."""
         wanted = set(replicas)
         out = dict.fromkeys(wanted, 0)
-        keys = [key(h) for h in hashes]
+        empty: Counter[int] = Counter()
+        keys: list[int] = []  # the hashes' keys, as far as some engine needed them
+        total = len(hashes)
         for source, held in self._held.items():
-            if source[0] not in wanted:
+            replica = source[0]
+            if replica not in wanted:
                 continue
-            lower = self._lower.get(source, Counter())
+            lower = self._lower.get(source, empty)
             n = 0
-            for k in keys:
+            while n < total:
+                if n == len(keys):
+                    keys.append(key(hashes[n]))
+                k = keys[n]
                 if k not in held and k not in lower:
                     break
                 n += 1
-            out[source[0]] = max(out[source[0]], n)
+            if n > out[replica]:
+                out[replica] = n
         return out
 
     def size(self, replica: str) -> int:
@@ -244,33 +271,51 @@ class Subscription:
         self.synced = asyncio.Event()  # set once the first resync finished
 
     async def run(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
+        # Plain sockets, read when the event loop sees their file descriptors readable
+        # (ZMQ's FD signals that something may have changed; EVENTS says what): a batch
+        # costs a wake-up and a read, where zmq.asyncio's poller cost futures and watchers
+        # for both sockets per batch (~0.8 ms of the router's CPU per request at 8 replicas).
+        # (the same context; its sockets plain)
+        plain: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self.ctx.underlying)
+        sub = plain.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.publisher.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        where = f"inproc://kv-events-monitor-{id(self):x}"
+        sub.monitor(where, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = plain.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(where)
         sub.connect(self.publisher.endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        fds = [int(sub.getsockopt(zmq.FD)), int(monitor.getsockopt(zmq.FD))]
+        for fd in fds:
+            loop.add_reader(fd, wake.set)
         disconnected = False
         try:
             await self.resync("start")
             self.synced.set()
             while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
-                    event = parse_monitor_message(await monitor.recv_multipart())
+                if int(monitor.getsockopt(zmq.EVENTS)) & _POLLIN:  # first, as a poll would
+                    event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         disconnected = True
                     elif event["event"] == zmq.EVENT_CONNECTED and disconnected:
                         disconnected = False  # the publisher came back: a new process
                         await self.resync("reconnected")
-                if sub in ready:
-                    frames = await sub.recv_multipart()
+                    continue
+                if int(sub.getsockopt(zmq.EVENTS)) & _POLLIN:
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
                     if len(frames) == 3 and len(frames[1]) == 8:
                         await self.on_message(int.from_bytes(frames[1], "big"), frames[2])
+                    continue
+                wake.clear()
+                await wake.wait()
         finally:
-            sub.disable_monitor()
+            for fd in fds:
+                loop.remove_reader(fd)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.monitor(None, 0)
             monitor.close(linger=0)
             sub.close(linger=0)
 

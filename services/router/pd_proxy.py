@@ -34,7 +34,7 @@ from services.http.errors import add_error_handlers, error_response
 from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
 from services.router.forward import parse_object
-from services.router.process import add_ops, serve, use_uvicorn_logging
+from services.router.process import GenerateRoutes, add_ops, serve, use_uvicorn_logging
 from services.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    app.add_middleware(GenerateRoutes, generate=lambda r, p: state["proxy"].generate(r, p))  # type: ignore[arg-type]
     add_ops(app, decode, "PD proxy")
 
     @app.get("/health")
@@ -131,14 +132,6 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
                 503, f"healthy instances: {p} prefill, {d} decode", "ServiceUnavailableError"
             )
         return JSONResponse({"status": "ok", "healthy_prefill": p, "healthy_decode": d})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await state["proxy"].generate(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await state["proxy"].generate(request, "/v1/chat/completions")
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def other(request: Request, path: str) -> Response:

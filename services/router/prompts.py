@@ -1,29 +1,38 @@
-"""A request's prompt as token ids, for the policies that score by cache.
+"""A request's prompt as its token count and block hashes, for the policies that score by
+cache.
 
-Two ways, the same result as the replica's own tokenizer process:
+Two ways, the same tokens as the replica's own tokenizer process:
 
 - ``--tokenizer MODEL`` (a model folder or GGUF file, as ``serve`` takes): tokenized in the
   router with the engine's own code (``RequestProcessor``: chat template, special tokens),
-  no round trip;
+  no round trip, and only past the longest prefix already seen (``prompt_cache.py``: the
+  token ids and block hashes of earlier prompts' segments);
 - otherwise each request's prompt goes to a healthy replica's ``POST /tokenize`` (ours and
   vLLM's take a completion prompt or chat messages), one extra round trip per request.
 
-A prompt that cannot be tokenized (bad messages, a replica that cannot say) yields
-``None``: the request is routed on load alone and the replica answers it, error included.
+A prompt that cannot be tokenized (bad messages, a replica that cannot say) yields no
+tokens: the request is routed on load alone and the replica answers it, error included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import httpx
 import pydantic
 
+from services.kv_cache.block_hash import BlockHasher
+from services.protocol import BlockHash
+from services.router.prompt_cache import PrefixTokenCache
 from services.router.replicas import Replica
 
 log = logging.getLogger(__name__)
+
+# A prompt with more new text than this is tokenized in a thread (the event loop goes on).
+INLINE_CHARS = 4096
 
 # Fields of a chat request that change its prompt (vLLM's /tokenize takes them all).
 _CHAT_FIELDS = ("add_generation_prompt", "add_special_tokens", "chat_template_kwargs",
@@ -48,55 +57,69 @@ def _first_prompt(body: dict[str, Any]) -> str | list[int] | None:
 
 
 class PromptTokenizer:
-    """Token ids of a completions or chat request's prompt (``None`` when unknown)."""
+    """A completions or chat request's prompt as its token count and block hashes."""
 
     def __init__(self, tokenizer: str | None = None) -> None:
         self._processor = None
+        self._cache: PrefixTokenCache | None = None
         if tokenizer is not None:
+            # (a router process) One prompt at a time on the calling thread: HF tokenizers'
+            # rayon pool would spread each over the cores, then spin waiting for more.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             from services.tokenizer.loader import load_serving_tokenizer
             from services.tokenizer.processor import RequestProcessor
 
-            self._processor = RequestProcessor(load_serving_tokenizer(tokenizer), 1 << 31)
+            info = load_serving_tokenizer(tokenizer)
+            self._processor = RequestProcessor(info, 1 << 31)
+            self._cache = PrefixTokenCache(info)
 
-    async def token_ids(
-        self, chat: bool, body: dict[str, Any], via: Replica | None
-    ) -> list[int] | None:
-        """Tokenized here with ``--tokenizer``, else by replica ``via`` (None: unknown)."""
+    async def prompt_blocks(self, chat: bool, body: dict[str, Any], via: Replica | None,
+                            hasher: BlockHasher, salt: str | None) -> tuple[int, list[BlockHash]]:  # fmt: skip
+        """The prompt's token count and its full blocks' hashes; (0, []) when unknown.
+        Tokenized here with ``--tokenizer`` (``PrefixTokenCache``: only past the longest
+        prefix it knows, in a thread when that is long), else by replica ``via``."""
         if not chat:
             prompt = _first_prompt(body)
-            if prompt is None or isinstance(prompt, list):
-                return prompt
+            if prompt is None:
+                return 0, []
+            if isinstance(prompt, list):
+                return len(prompt), hasher.hash_blocks(prompt, salt)
         elif not isinstance(body.get("messages"), list):
-            return None
-        if self._processor is not None:
-            return await asyncio.to_thread(self._local, chat, body)
+            return 0, []
+        if self._cache is not None:
+            text = self._text(chat, body)
+            if text is None:
+                return 0, []
+            cache = self._cache
+            plan = cache.plan(*text)
+            if plan.new_chars > INLINE_CHARS or plan.check:
+                new = await asyncio.to_thread(cache.tokenize, plan)
+            else:
+                new = cache.tokenize(plan)
+            return cache.commit(plan, new, hasher, salt)
         if via is None or via.client is None or via.client.is_closed:
-            return None
-        return await self._remote(chat, body, via.client, via.url)
+            return 0, []
+        ids = await self._remote(chat, body, via.client, via.url)
+        return (len(ids), hasher.hash_blocks(ids, salt)) if ids else (0, [])
 
-    def _local(self, chat: bool, body: dict[str, Any]) -> list[int] | None:
+    def _text(self, chat: bool, body: dict[str, Any]) -> tuple[str, bool] | None:
+        """The text the replica tokenizes (a chat's rendered) and whether with special
+        tokens (as ``RequestProcessor.prompt_ids``); None when it cannot be made."""
         from services.api_server.protocol import ChatMessage
-        from services.protocol import TokenizeRequest
         from services.tokenizer.processor import PromptError
 
         assert self._processor is not None
         try:
             if chat:
                 messages = [ChatMessage.model_validate(m).to_template() for m in body["messages"]]
-                req = TokenizeRequest(
-                    "router",
-                    messages=messages,
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                    add_special_tokens=bool(body.get("add_special_tokens", False)),
-                    chat_template_kwargs=dict(body.get("chat_template_kwargs") or {}),
-                )
-            else:
-                req = TokenizeRequest(
-                    "router",
-                    prompt=body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][0],
-                    add_special_tokens=bool(body.get("add_special_tokens", True)),
-                )
-            return self._processor.prompt_ids(req)[0]
+                text = self._processor.render(
+                    messages, None, bool(body.get("add_generation_prompt", True)),
+                    dict(body.get("chat_template_kwargs") or {}),
+                )  # fmt: skip
+                return text, bool(body.get("add_special_tokens", False))
+            prompt = _first_prompt(body)
+            assert isinstance(prompt, str)
+            return prompt, bool(body.get("add_special_tokens", True))
         except (pydantic.ValidationError, PromptError, TypeError, ValueError):
             return None
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import re
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import httpx
+
+from services.router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +62,20 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_load(text: str) -> dict[str, float]:
-    """The load samples of a Prometheus text page (a line scan: pages are tens of KiB and
-    read ten times a second, too often for a full parser)."""
+    """The load samples of a Prometheus text page. Each sample's lines are found with
+    ``str.find`` (pages are tens of KiB, read every second or more often: a line scan or
+    a regex over the page cost ~1 ms each)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_end = line.find("{")
-        space = line.rfind(" ")
-        name = line[: name_end if 0 < name_end < space else space]
-        key = _LOAD_SAMPLES.get(name)
-        if key is None:
-            continue
-        with contextlib.suppress(ValueError):
-            out[key] = out.get(key, 0.0) + float(line[space + 1 :])
+    for name, key in _LOAD_SAMPLES.items():
+        at = text.find(name)
+        while at >= 0:
+            end = at + len(name)
+            if (at == 0 or text[at - 1] == "\n") and text[end : end + 1] in ("{", " "):
+                eol = text.find("\n", end)
+                line = text[at : eol if eol >= 0 else len(text)].rstrip()
+                with contextlib.suppress(ValueError):
+                    out[key] = out.get(key, 0.0) + float(line[line.rfind(" ") + 1 :])
+            at = text.find(name, end)
     return out
 
 
@@ -115,6 +118,8 @@ class Replica:
     url: str
     # Its own connection pool for requests (httpx scans a pool's connections per request).
     client: httpx.AsyncClient | None = field(default=None, repr=False)
+    # And the pool generate requests go through (``upstream.py``: their answers, relayed).
+    upstream: UpstreamPool | None = field(default=None, repr=False)
     healthy: bool = False
     geometry: CacheGeometry | None = None
     # The router's own counts: requests open here, and those still before their first byte.
@@ -139,6 +144,13 @@ class Replica:
     checked: bool = False  # its first health check ran (the log tells changes after it)
     admitted: bool = True  # False: its block hashes differ from the router's, kept out
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it leaves rotation
+
+    def set_down(self) -> None:
+        """It left the rotation: its open requests give up on it (``down``, and its pool
+        fails the exchanges under way)."""
+        self.down.set()
+        if self.upstream is not None:
+            self.upstream.fail_active("the replica left the rotation (failed its health check)")
 
     def needs_fast_reading(self) -> bool:
         """Read every load interval: no ``/load`` (vLLM: its ``/metrics`` is its load), a
@@ -233,7 +245,7 @@ class ReplicaSet:
         if url in self.replicas:
             return self.replicas[url]
         pool = self._new_client() if self._new_client is not None else self.client
-        replica = self.replicas[url] = Replica(url, pool)
+        replica = self.replicas[url] = Replica(url, pool, UpstreamPool(url))
         problem = await self.check_health(replica)
         replica.checked = True
         if problem is None:
@@ -255,7 +267,7 @@ class ReplicaSet:
                 await task
         if replica is not None:
             log.info("%s %s removed", self.role, url)
-        if replica is not None and replica.client is not self.client:
+        if replica is not None:
             # Its open requests finish on their connections; then the pool closes.
             self._retired.add(replica)
             task = asyncio.create_task(self._close_pool(replica))
@@ -270,19 +282,35 @@ class ReplicaSet:
             while replica.in_flight:
                 await asyncio.sleep(self.health_interval_s)
                 if replica.in_flight and not await self._answers_health(replica):
-                    replica.down.set()
+                    replica.set_down()
         finally:
             self._retired.discard(replica)
-            if replica.client is not None:
-                await replica.client.aclose()
+            await self._close_pools(replica)
+
+    async def _close_pools(self, replica: Replica) -> None:
+        if replica.upstream is not None:
+            await replica.upstream.aclose()
+        if replica.client is not None and replica.client is not self.client:
+            await replica.client.aclose()
 
     async def _answers_health(self, replica: Replica) -> bool:
         return await self._health_problem(replica) is None
 
+    async def _get(self, replica: Replica, path: str) -> tuple[int, bytes]:
+        """``GET path`` on the replica (5 s at most): its status and body. Through its own
+        pool (``upstream.py``: a reading through httpx cost ~1 ms of CPU, and eight
+        replicas are read several times a second), else (a removed replica's, closed) the
+        shared client."""
+        pool = replica.upstream
+        if pool is not None and not pool.is_closed:
+            return await pool.get(path, 5.0)
+        r = await self.client.get(f"{replica.url}{path}", timeout=5.0)
+        return r.status_code, r.content
+
     async def _health_problem(self, replica: Replica) -> str | None:
         """Why the replica fails ``GET /health``; None when it answers 200."""
         try:
-            status = (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code
+            status, _ = await self._get(replica, "/health")
         except (httpx.HTTPError, OSError) as e:
             return _why(e)
         return None if status == 200 else f"GET /health answered {status}"
@@ -294,8 +322,7 @@ class ReplicaSet:
             task.cancel()
         for replica in list(self._retired):  # (each task's own close may not have run)
             self._retired.discard(replica)
-            if replica.client is not None:
-                await replica.client.aclose()
+            await self._close_pools(replica)
 
     def mark_failed(self, replica: Replica, reason: str) -> None:
         """A forwarded request could not reach the replica: out until its health check passes."""
@@ -308,7 +335,7 @@ class ReplicaSet:
         changed = ok != replica.healthy
         replica.healthy = ok
         if not ok:
-            replica.down.set()  # its open requests give up on it (see the router)
+            replica.set_down()  # its open requests give up on it
             replica.has_load = None  # what comes back may be another server
         elif replica.down.is_set():
             replica.down = asyncio.Event()
@@ -342,9 +369,10 @@ class ReplicaSet:
         return problem
 
     async def read_metrics(self, replica: Replica) -> None:
-        r = await self.client.get(f"{replica.url}/metrics", timeout=5.0)
-        r.raise_for_status()
-        text = r.text
+        status, content = await self._get(replica, "/metrics")
+        if not 200 <= status < 300:
+            raise httpx.HTTPError(f"answered {status}")
+        text = content.decode("utf-8", errors="replace")
         if replica.geometry is None:
             labels = parse_cache_config(text)
             if labels is not None:
@@ -373,9 +401,9 @@ class ReplicaSet:
 
     async def _load_sample(self, replica: Replica) -> dict[str, float] | None:
         """``GET /load`` as ours answers it (vLLM's has only ``server_load``: None)."""
-        r = await self.client.get(f"{replica.url}/load", timeout=5.0)
+        status, content = await self._get(replica, "/load")
         try:
-            body = r.json() if r.status_code == 200 else None
+            body = json.loads(content) if status == 200 else None
         except ValueError:
             return None
         if not isinstance(body, dict):

@@ -19,7 +19,13 @@ from services.http.errors import APIError, error_response
 from services.kv_cache.block_hash import BlockHasher
 from services.registry import HASH_ALGORITHMS
 from services.router.config import RouterConfig
-from services.router.forward import Forwarder, Upstream, forward_headers, parse_object
+from services.router.forward import (
+    Forwarder,
+    Upstream,
+    forward_head,
+    forward_headers,
+    parse_object,
+)
 from services.router.kv_events import (
     DecodedBatch,
     EventFollower,
@@ -213,14 +219,14 @@ class Router:
         if self.policy.needs_prompt and self.hasher is not None:
             healthy = self.replicas.healthy()
             via = min(healthy, key=lambda r: r.in_flight) if healthy else None
-            tokens = await self.tokenizer.token_ids(chat, body, via)
-            if tokens:
-                salt = body.get("cache_salt")
-                req.prompt_tokens = len(tokens)
+            salt = body.get("cache_salt")
+            n, hashes = await self.tokenizer.prompt_blocks(
+                chat, body, via, self.hasher, salt if isinstance(salt, str) else None
+            )
+            if n:
+                req.prompt_tokens = n
                 req.block_size = self.hasher.block_size
-                req.hashes = self.hasher.hash_blocks(
-                    tokens, salt if isinstance(salt, str) else None
-                )
+                req.hashes = hashes
         return req
 
     def _book(self, req: RouteRequest, d: Decision) -> LoadGuard:
@@ -262,7 +268,7 @@ class Router:
         when one fails before its first byte. ``request`` gives the headers and the
         client's connection."""
         req = await self.route_facts(_GENERATE_PATHS[path], body, request.headers)
-        headers = forward_headers(request)
+        head = forward_head(request)
         tried: set[str] = set()
         last_error: Upstream | None = None
         while True:
@@ -282,7 +288,7 @@ class Router:
                 self.metrics.burst_wait.labels(replica.url).observe(waited)
             try:
                 with self._book(req, decision) as load:
-                    return await self.forward.generate(path, raw, headers, load, arrived)
+                    return await self.forward.generate(path, raw, head, load, arrived)
             except Upstream as e:  # anything else (cancelled, a bug) goes on up, released
                 last_error = e
                 tried.add(replica.url)
