@@ -42,7 +42,10 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
     output; ``grammar`` EBNF (xgrammar's GBNF dialect); ``structural_tag`` xgrammar's
     structural tag, as JSON text. ``disable_any_whitespace``: JSON in one layout (``", "`` and
     ``": "`` between items, no newlines), not any whitespace the model likes (also the
-    server's ``--structured-outputs-config`` setting).
+    server's ``--structured-outputs-config`` setting). ``unbounded_json``: none of the
+    bounds on whitespace runs and number digits that JSON constraints get by default
+    (vLLM's behaviour; ``services/structured_output/json_bounds.py``);
+    ``json_max_string_length``: a bound on the strings the schema leaves unbounded.
     """
 
     json: str | None = None
@@ -52,6 +55,8 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    unbounded_json: bool = False
+    json_max_string_length: int | None = None
 
     def kinds(self) -> list[str]:
         """The constraint kinds that are set (valid params set exactly one)."""
@@ -76,6 +81,8 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
             )
         if self.choice is not None and not self.choice:
             raise InvalidParam("Choice '[]' cannot be an empty list", "structured_outputs")
+        if self.json_max_string_length is not None and self.json_max_string_length < 1:
+            raise InvalidParam("json_max_string_length must be at least 1", "structured_outputs")
 
 
 class SamplingParams(msgspec.Struct, **_STRUCT):

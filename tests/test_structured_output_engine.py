@@ -123,6 +123,36 @@ def test_min_tokens_cannot_make_the_grammar_sample_nothing(llm: LLM) -> None:
     assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
 
 
+RUNAWAY = [  # the default model under these schemas, greedy, without bounds: endless digits
+    ("Give the population of Paris as JSON.",
+     {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+      "required": ["city", "population"]}, "population"),
+    ("What is pi? Answer as JSON.",
+     {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]}, "value"),
+]  # fmt: skip
+
+
+def test_bounded_json_ends_where_unbounded_ran_to_the_length_limit(llm: LLM) -> None:
+    """Issue 35: by default a number has at most 20 digits in each part, so the answers
+    end (``stop``) with valid JSON; ``unbounded_json`` (vLLM's behaviour) runs to
+    ``max_tokens`` writing digits."""
+    prompts = [chat(llm, text) for text, _, _ in RUNAWAY] * 2
+    params = [
+        greedy(120, structured_outputs=SO(json=json.dumps(schema), unbounded_json=unbounded))
+        for unbounded in (True, False)
+        for _, schema, _ in RUNAWAY
+    ]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    unbounded, bounded = outs[: len(RUNAWAY)], outs[len(RUNAWAY) :]
+    for (_, schema, key), before, after in zip(RUNAWAY, unbounded, bounded, strict=True):
+        assert before.finish_reason == "length" and re.search(r"\d{40}", before.text), before.text
+        assert after.finish_reason == "stop", after.text
+        value = json.loads(after.text)
+        jsonschema.validate(value, schema)
+        digits = re.findall(r"\d+", json.dumps(value[key]))
+        assert digits and all(len(d) <= 20 for d in digits), after.text
+
+
 def test_a_bad_constraint_is_refused_offline(llm: LLM) -> None:
     with pytest.raises(ValueError, match="only use one kind"):
         llm.generate(["x"], greedy(structured_outputs=SO(regex="a", choice=["a"])))
@@ -216,6 +246,31 @@ def test_served_json_schema_streamed_and_not_agree(client: openai.OpenAI) -> Non
         if chunk.choices
     )
     assert streamed == text
+
+
+def test_served_json_bounds_per_request(client: openai.OpenAI) -> None:
+    """``response_format`` bounded by default; the request's ``structured_outputs`` turns
+    the bounds off (``unbounded_json``) or adds one on strings; a bad bound is a 400."""
+    text, schema, _ = RUNAWAY[0]
+    kwargs = dict(
+        model=MODEL, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )  # fmt: skip
+    bounded = client.chat.completions.create(**kwargs).choices[0]  # type: ignore[call-overload]
+    assert bounded.finish_reason == "stop", bounded.message.content
+    jsonschema.validate(json.loads(bounded.message.content or ""), schema)
+    unbounded = client.chat.completions.create(  # type: ignore[call-overload]
+        extra_body={"structured_outputs": {"unbounded_json": True}}, **kwargs
+    ).choices[0]
+    assert unbounded.finish_reason == "length"
+    short = client.chat.completions.create(  # type: ignore[call-overload]
+        extra_body={"structured_outputs": {"json_max_string_length": 2}}, **kwargs
+    ).choices[0]
+    assert len(json.loads(short.message.content or "")["city"]) <= 2
+    with pytest.raises(openai.BadRequestError, match="json_max_string_length"):
+        client.chat.completions.create(  # type: ignore[call-overload]
+            extra_body={"structured_outputs": {"json_max_string_length": 0}}, **kwargs
+        )
 
 
 def test_served_constraints_and_errors(client: openai.OpenAI) -> None:

@@ -9,14 +9,17 @@ with the checks that turn one into ``SamplingParams``, in one place (as vLLM's p
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.api_server.tool_calls import named_schema, required_schema
 from services.config import RequestLimits
 from services.protocol import SamplingParams, StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 _INT64 = 2**63  # integers travel as int64: larger ones are refused here, with a 400
 TokenId = Annotated[int, Field(ge=0, lt=_INT64)]
@@ -46,8 +49,32 @@ def check_template_trust(
         )
 
 
+_IGNORED_LOGGED: set[str] = set()  # unknown field names already logged
+_IGNORED_LOGGED_MAX = 1024  # (a client inventing names cannot grow it without end)
+
+
 class OpenAIBaseModel(BaseModel):
+    """Unknown fields are ignored, as vLLM ignores them (``guided_json``, ``guided_choice``
+    ... were removed from vLLM: ``structured_outputs`` took their place), and logged as
+    vLLM logs them, once per field name."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
+            known = {f.alias or name for name, f in cls.model_fields.items()} | set(
+                cls.model_fields
+            )
+            new = {k for k in data if isinstance(k, str) and k not in known} - _IGNORED_LOGGED
+            if new and len(_IGNORED_LOGGED) < _IGNORED_LOGGED_MAX:
+                _IGNORED_LOGGED.update(new)
+                log.warning(
+                    "The following fields were present in the request but ignored: %s",
+                    sorted(new),
+                )
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -66,6 +93,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool = False
+    unbounded_json: bool = False  # ours: vLLM's unbounded JSON (no whitespace/digit bounds)
+    json_max_string_length: int | None = Field(default=None, ge=1, lt=_INT64)
 
     def params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(
@@ -76,6 +105,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
             json_object=self.json_object,
             structural_tag=_as_text(self.structural_tag),
             disable_any_whitespace=self.disable_any_whitespace,
+            unbounded_json=self.unbounded_json,
+            json_max_string_length=self.json_max_string_length,
         )
 
 

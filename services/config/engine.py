@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from services.config.checks import check_worker_flags
+from services.config.json_bounds import DEFAULT_DIGITS, DEFAULT_WHITESPACE, UNBOUNDED, JsonBounds
 from services.config.kv_transfer import KVTransferConfig
 from services.flags import (
     ConfigError,
@@ -176,8 +177,11 @@ class SchedulerConfig:
         default=None,
         metadata=flag(
             'structured outputs, vLLM\'s JSON: {"backend": "auto"|"xgrammar"|"guidance", '
-            '"disable_any_whitespace": false, "disable_fallback": false} (default: auto: '
-            "xgrammar, guidance for schemas xgrammar does not enforce)"
+            '"disable_any_whitespace": false, "disable_fallback": false}, and ours: '
+            '"unbounded_json": false, "json_max_whitespace": 20, "json_max_digits": 20, '
+            '"json_max_string_length": null (default: auto: xgrammar, guidance for schemas '
+            "xgrammar does not enforce; JSON bounded as services/structured_output/"
+            "json_bounds.py says)"
         ),
     )
 
@@ -201,6 +205,7 @@ class SchedulerConfig:
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", *GRAMMAR_BACKENDS)
+_BOUND_KEYS = ("json_max_whitespace", "json_max_digits", "json_max_string_length")
 
 
 @dataclass(frozen=True)
@@ -209,11 +214,31 @@ class StructuredOutputsConfig:
 
     ``backend`` is the grammar engine: "auto" (vLLM's default) is xgrammar, or guidance for
     a JSON schema with keywords xgrammar does not enforce (unless ``disable_fallback``);
-    ``disable_any_whitespace`` makes JSON outputs compact for every request."""
+    ``disable_any_whitespace`` makes JSON outputs compact for every request.
+
+    Ours: JSON constraints are bounded (``json_bounds.py``): whitespace runs to
+    ``json_max_whitespace`` characters, each part of a number to ``json_max_digits``
+    digits, and, if set, unbounded strings to ``json_max_string_length`` characters (each
+    null: no bound); ``unbounded_json`` turns every bound off (vLLM's behaviour)."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
     disable_fallback: bool = False
+    unbounded_json: bool = False
+    json_max_whitespace: int | None = DEFAULT_WHITESPACE
+    json_max_digits: int | None = DEFAULT_DIGITS
+    json_max_string_length: int | None = None
+
+    def json_bounds(self, unbounded: bool = False, string_length: int | None = None) -> JsonBounds:
+        """The bounds for a request's JSON constraint (``unbounded``, ``string_length``: the
+        request's own ``unbounded_json`` and ``json_max_string_length``)."""
+        if unbounded or self.unbounded_json:
+            return UNBOUNDED
+        return JsonBounds(
+            self.json_max_whitespace,
+            self.json_max_digits,
+            string_length if string_length is not None else self.json_max_string_length,
+        )
 
     @classmethod
     def from_json(cls, text: str | None) -> StructuredOutputsConfig:
@@ -223,20 +248,29 @@ class StructuredOutputsConfig:
         raw = parse_json_object(flag, text, {
             "backend", "disable_any_whitespace", "disable_fallback",
             "disable_additional_properties", "reasoning_parser", "reasoning_parser_plugin",
-            "enable_in_reasoning",
+            "enable_in_reasoning", "unbounded_json", *_BOUND_KEYS,
         })  # fmt: skip
         backend = raw.get("backend", "auto")
         check_choice(f"{flag} backend", backend, STRUCTURED_OUTPUT_BACKENDS)
-        for key in ("disable_any_whitespace", "disable_fallback"):
+        for key in ("disable_any_whitespace", "disable_fallback", "unbounded_json"):
             if not isinstance(raw.get(key, False), bool):
                 raise ConfigError(f"{flag}: {key} must be true or false")
+        for key in _BOUND_KEYS:
+            value = raw.get(key, 1)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{flag}: {key} must be a whole number >= 1, or null")
         # vLLM's keys for what this engine does not have: accepted when they ask for nothing
         if raw.get("disable_additional_properties"):
             raise ConfigError(f"{flag}: disable_additional_properties is not supported")
         if raw.get("reasoning_parser") or raw.get("reasoning_parser_plugin"):
             raise ConfigError(f"{flag}: there are no reasoning parsers in this engine")
+        bounds = {key: raw[key] for key in _BOUND_KEYS if key in raw}
         return cls(
-            backend, raw.get("disable_any_whitespace", False), raw.get("disable_fallback", False)
+            backend,
+            raw.get("disable_any_whitespace", False),
+            raw.get("disable_fallback", False),
+            raw.get("unbounded_json", False),
+            **bounds,
         )
 
 

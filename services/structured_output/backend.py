@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import tokenizers
 
+from services.config.json_bounds import UNBOUNDED, JsonBounds
 from services.registry import GRAMMAR_BACKENDS, resolve
 from services.request import Matcher
 
@@ -40,6 +41,10 @@ class Constraint:
     # JSON only: whitespace the model may put between tokens (vLLM's default), or none at
     # all (vLLM's ``disable_any_whitespace``)
     any_whitespace: bool = True
+    # JSON only: bounds on runs of whitespace, number digits and strings where the schema
+    # sets none (``json_bounds.py``); vLLM's unbounded by default here, bounded by
+    # ``constraint_of`` from the server's settings
+    bounds: JsonBounds = UNBOUNDED
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

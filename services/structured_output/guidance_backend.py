@@ -22,6 +22,8 @@ from services.structured_output.backend import (
 def _grammar(c: Constraint) -> str:
     """llguidance's grammar text for a constraint (errors show up when it is validated)."""
     options: dict[str, object] = {"whitespace_flexible": True}
+    if c.bounds.whitespace is not None:  # (llguidance bounds no digits or strings of its own)
+        options["whitespace_pattern"] = f"[\\x20\\n\\r\\t]{{0,{c.bounds.whitespace}}}"
     if not c.any_whitespace:  # xgrammar's one layout, so both backends write the same JSON
         options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     if c.kind in ("json", "json_object"):

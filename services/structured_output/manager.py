@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.config import StructuredOutputsConfig
+from services.config.json_bounds import UNBOUNDED
 from services.protocol import StructuredOutputsParams
 from services.request import Matcher
 from services.structured_output.backend import (
@@ -63,13 +64,17 @@ def vocab_from_folder(folder: str) -> Callable[[], VocabInfo]:
     return load
 
 
-def constraint_of(params: StructuredOutputsParams, disable_any_whitespace: bool) -> Constraint:
-    """The one constraint of valid ``params`` (``SamplingParams.validate`` checked them)."""
+def constraint_of(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> Constraint:
+    """The one constraint of valid ``params`` (``SamplingParams.validate`` checked them),
+    with the server's settings: compact JSON, the bounds of a JSON constraint."""
     kind = params.kinds()[0]
     value = getattr(params, kind)
     spec = json.dumps(value) if kind == "choice" else "" if kind == "json_object" else value
-    whitespace = not (params.disable_any_whitespace or disable_any_whitespace)
-    return Constraint(kind, spec, any_whitespace=whitespace)
+    whitespace = not (params.disable_any_whitespace or config.disable_any_whitespace)
+    bounds = UNBOUNDED
+    if kind in ("json", "json_object"):
+        bounds = config.json_bounds(params.unbounded_json, params.json_max_string_length)
+    return Constraint(kind, spec, any_whitespace=whitespace, bounds=bounds)
 
 
 class StructuredOutputManager:
@@ -137,7 +142,7 @@ class StructuredOutputManager:
         (synchronous); ``GrammarError`` then if the grammar is bad."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        constraint = constraint_of(params, self.config.disable_any_whitespace)
+        constraint = constraint_of(params, self.config)
         if self._pool is None:
             request.grammar = self._compile(constraint)
             return True

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from services.structured_output.backend import (
     VocabInfo,
     choices,
 )
+from services.structured_output.json_bounds import JsonBounds, bound_grammar
 
 # "[12:23:47] /project/cpp/regex_converter.cc:94: " in front of xgrammar's C++ messages
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -96,6 +98,15 @@ def _structural_tag(spec: str) -> str | tuple[list[xgr.StructuralTagItem], list[
     return spec
 
 
+@functools.lru_cache(maxsize=256)
+def _bounded_json(schema: str, any_whitespace: bool, bounds: JsonBounds) -> str:
+    """The grammar (EBNF) of a JSON schema with ``bounds`` (``json_bounds.py``)."""
+    grammar = xgr.Grammar.from_json_schema(
+        schema, any_whitespace=any_whitespace, max_whitespace_cnt=bounds.whitespace
+    )
+    return bound_grammar(str(grammar), bounds)
+
+
 def _cache_limit_bytes() -> int:
     """The compiled grammars kept for reuse, least recently used first out: 512 MB, or
     ``VLLM_XGRAMMAR_CACHE_MB`` (vLLM's setting); without a limit one client sending new
@@ -142,6 +153,9 @@ class XgrammarBackend:
         try:
             if c.kind in ("json", "json_object"):
                 schema = c.spec if c.kind == "json" else '{"type": "object"}'
+                if c.bounds.any:
+                    ebnf = _bounded_json(schema, c.any_whitespace, c.bounds)
+                    return self._compiler.compile_grammar(ebnf)
                 return self._compiler.compile_json_schema(schema, any_whitespace=c.any_whitespace)
             if c.kind == "regex":
                 return self._compiler.compile_regex(c.spec)

@@ -157,7 +157,7 @@ class RequestProcessor:
             params.validate()
         except ValueError as e:
             raise PromptError(str(e)) from None
-        constraint = constraint_of(params, False)
+        constraint = constraint_of(params, self.structured_outputs)
         key = (constraint.kind, constraint.spec, constraint.any_whitespace)
         if key in self._checked:
             self._checked.move_to_end(key)
