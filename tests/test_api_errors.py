@@ -383,12 +383,14 @@ def test_api_key():
             r2 = await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
             r3 = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
             r4 = await c.get("/version")
-            return r1, r2, r3, r4
+            r5 = await c.get("/v1/models", headers={"x-api-key": "s3cret"})  # Anthropic's
+            r6 = await c.get("/v1/models", headers={"x-api-key": "Bearer s3cret"})
+            return r1, r2, r3, r4, r5, r6
 
-    r1, r2, r3, r4 = asyncio.run(go())
-    assert r1.status_code == r2.status_code == 401
+    r1, r2, r3, r4, r5, r6 = asyncio.run(go())
+    assert r1.status_code == r2.status_code == r6.status_code == 401
     assert r1.json()["error"]["code"] == 401
-    assert r3.status_code == 200 and r4.status_code == 200
+    assert r3.status_code == 200 and r4.status_code == 200 and r5.status_code == 200
     assert r3.json()["data"][0]["id"] == MODEL
 
     # Every /v1 route of the app, whatever its method, is refused without the key.

@@ -53,7 +53,11 @@ def api_schema(remote):
 
 def _check(response) -> None:
     assert response.status_code < 500, response.text
-    if response.status_code >= 400:
+    if response.status_code >= 400 and "/v1/messages" in response.request.url:
+        body = response.json()  # Anthropic's error shape
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        assert body["error"]["message"] and body["error"]["type"].endswith("_error")
+    elif response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == _OPENAI_ERROR_KEYS and error["code"] == response.status_code
         assert error["message"] and error["type"]
@@ -78,7 +82,8 @@ def _fuzz(api_schema, path: str, mode: str, max_examples: int, base_url: str | N
     call()
 
 
-_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
+          "/v1/messages/count_tokens")  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])

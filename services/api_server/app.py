@@ -38,6 +38,11 @@ from services.api_server.protocol import (
 from services.api_server.serving_base import ServerSettings
 from services.api_server.serving_chat import ChatServing
 from services.api_server.serving_completion import CompletionServing
+from services.api_server.serving_messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesServing,
+)
 from services.api_server.serving_tokenize import TokenizeServing
 from services.http.errors import add_error_handlers
 from services.metrics.process_metrics import api_requests, engine_restarts
@@ -79,6 +84,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     completions = CompletionServing(frontend, settings, on_sent=requests_sent.inc)
     chat = ChatServing(frontend, settings, on_sent=requests_sent.inc)
+    messages = MessagesServing(frontend, settings, on_sent=requests_sent.inc)  # Anthropic's
     tokenization = TokenizeServing(frontend, settings)
 
     @app.post("/v1/completions")
@@ -90,6 +96,14 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_body(request))
         return await chat.create_chat_completion(req, request)
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request) -> Response:
+        return await messages.create_message(request, lambda: read_body(request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request) -> Response:
+        return await messages.count_tokens(lambda: read_body(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -157,6 +171,8 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
         {
             "/v1/completions": (CompletionRequest,),
             "/v1/chat/completions": (ChatCompletionRequest,),
+            "/v1/messages": (MessagesRequest,),
+            "/v1/messages/count_tokens": (CountTokensRequest,),
             "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
             "/detokenize": (DetokenizeRequest,),
         },

@@ -44,6 +44,25 @@ class ChatServing(ServingBase):
     ) -> Response:
         """Answer a parsed chat request; ``request`` gives its headers and disconnect. Bad
         input raises ``APIError``/``ParamError``, the engine's refusal ``EngineRequestError``."""
+        ctx, deltas, tools = self.start(req, request, "chatcmpl")
+        want_lp = req.logprobs
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await self.respond(
+            request,
+            req.stream,
+            deltas,
+            lambda d: chat_stream(
+                ctx, d, want_logprobs=want_lp, include_usage=include_usage, tools=tools
+            ),
+            lambda d: chat_full(ctx, d, want_logprobs=want_lp, tools=tools),
+        )
+
+    def start(
+        self, req: ChatCompletionRequest, request: Request, id_prefix: str
+    ) -> tuple[ResponseContext, Deltas, ToolCalling | None]:
+        """Check a chat request and send it to the engine: the response's context, its
+        deltas, and the tool calling that parses them (None with tools off). The other APIs
+        built on chat (Anthropic's Messages) answer these in their own shapes."""
         settings = self.settings
         model = self.check_model(req.model)
         req.check(settings.limits, settings.tool_call_parser)
@@ -59,7 +78,7 @@ class ChatServing(ServingBase):
             )
             sampling = tools.sampling(sampling)
         self.check_admission()
-        response_id, base_id = self.response_ids(request, "chatcmpl", req.request_id)
+        response_id, base_id = self.response_ids(request, id_prefix, req.request_id)
         ctx = ResponseContext(
             response_id, int(clock.wall()), model, req.n, return_token_ids=req.return_token_ids
         )
@@ -86,17 +105,7 @@ class ChatServing(ServingBase):
                 kv_transfer_params=req.kv_transfer_params,
             )
 
-        want_lp = req.logprobs
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self.respond(
-            request,
-            req.stream,
-            self.generate(ctx, base_id, sampling, make),
-            lambda d: chat_stream(
-                ctx, d, want_logprobs=want_lp, include_usage=include_usage, tools=tools
-            ),
-            lambda d: chat_full(ctx, d, want_logprobs=want_lp, tools=tools),
-        )
+        return ctx, self.generate(ctx, base_id, sampling, make), tools
 
 
 def chat_logprobs(lps: list[DecodedLogprob]) -> dict[str, Any]:

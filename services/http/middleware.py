@@ -47,10 +47,12 @@ class InternalErrorMiddleware:
 
 
 class AuthMiddleware:
-    """``--api-key``: every /v1 route needs ``Authorization: Bearer <key>`` (constant-time compare)."""
+    """``--api-key``: every /v1 route needs ``Authorization: Bearer <key>``, or
+    ``X-Api-Key: <key>`` as Anthropic's clients send it (constant-time compares)."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app, self._expected = app, f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (
@@ -58,8 +60,10 @@ class AuthMiddleware:
             and scope["path"].startswith("/v1")
             and scope["method"] != "OPTIONS"
         ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._expected)
+            key = hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
+            if not (bearer or key):
                 await error_response(401, "Unauthorized")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
