@@ -138,6 +138,16 @@ class RemoteServer:
         self.close()
 
 
+def tool_calling_server() -> Iterator[RemoteServer]:
+    """A ready server on the default model with auto tool choice (hermes), for a
+    module-scoped fixture to ``yield from``."""
+    with RemoteServer(
+        "--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
+    ) as server:
+        server.wait_ready()
+        yield server
+
+
 def metric(server: RemoteServer, name: str, **labels: str) -> float | None:
     """A Prometheus sample from ``/metrics``, summed over the label sets that carry
     ``labels``; None if not exported."""

@@ -16,7 +16,7 @@ import pytest
 
 anthropic = pytest.importorskip("anthropic")
 
-from tests.server_utils import RemoteServer  # noqa: E402
+from tests.server_utils import RemoteServer, tool_calling_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = "You are a terse assistant."
@@ -30,11 +30,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
-    with RemoteServer(
-        "--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
-    ) as server:
-        server.wait_ready()
-        yield server
+    yield from tool_calling_server()
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from services.api_server.serving_messages import (
     MessagesRequest,
     MessagesServing,
 )
+from services.api_server.serving_responses import ResponsesServing
 from services.api_server.serving_tokenize import TokenizeServing
 from services.http.errors import add_error_handlers
 from services.metrics.process_metrics import api_requests, engine_restarts
@@ -85,6 +86,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     completions = CompletionServing(frontend, settings, on_sent=requests_sent.inc)
     chat = ChatServing(frontend, settings, on_sent=requests_sent.inc)
     messages = MessagesServing(frontend, settings, on_sent=requests_sent.inc)  # Anthropic's
+    responses = ResponsesServing(frontend, settings, on_sent=requests_sent.inc)
     tokenization = TokenizeServing(frontend, settings)
 
     @app.post("/v1/completions")
@@ -104,6 +106,22 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> Response:
         return await messages.count_tokens(lambda: read_body(request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request, lambda: read_body(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return await responses.cancel(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
