@@ -152,3 +152,30 @@ def test_removed_vllm_fields_are_ignored_and_logged_once_per_name(
         {"model": "m", "prompt": "x", "structured_outputs": {"json": {}, "unbounded_json": True}}
     )
     assert not caplog.records
+
+
+def test_options_alone_are_no_constraint_and_reach_a_tool_calls_grammar() -> None:
+    """instructor sends a forced tool with ``structured_outputs`` options (found by
+    bench/client_matrix.py): not vLLM's "constraints or tools, not both"."""
+    from services.api_server.protocol import ChatCompletionRequest
+    from services.config import RequestLimits
+
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    options = {"structured_outputs": {"json_max_string_length": 5}}
+    alone = ChatCompletionRequest.model_validate({**base, **options})
+    assert alone.structured_outputs_params() is None
+    forced = ChatCompletionRequest.model_validate(
+        {**base, **options, "tools": [tool], "tool_choice": "required"}
+    )
+    forced.check(RequestLimits(), None)
+    params = forced.structured_outputs_params()
+    assert params is not None and params.json is not None and params.json_max_string_length == 5
+    empty = ChatCompletionRequest.model_validate({**base, "structured_outputs": {}})
+    with pytest.raises(ValueError, match="must use one kind"):
+        empty.structured_outputs_params().validate()  # type: ignore[union-attr]
+    both = ChatCompletionRequest.model_validate(
+        {**base, "structured_outputs": {"regex": "a"}, "tools": [tool], "tool_choice": "required"}
+    )
+    with pytest.raises(ValueError, match="not both"):
+        both.check(RequestLimits(), None)

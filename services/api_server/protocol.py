@@ -110,6 +110,10 @@ class StructuredOutputsRequest(OpenAIBaseModel):
         )
 
 
+def _options_only(params: StructuredOutputsParams) -> bool:
+    return params.unbounded_json or params.json_max_string_length is not None
+
+
 def _as_text(value: dict[str, Any] | str | None) -> str | None:
     return json.dumps(value) if isinstance(value, dict) else value
 
@@ -188,6 +192,8 @@ class _SamplingFields(OpenAIBaseModel):
         given = self.structured_outputs.params() if self.structured_outputs else None
         implied = self.response_format.params() if self.response_format else None
         if implied is None:
+            if given is not None and not given.kinds() and _options_only(given):
+                return None  # our JSON options alone constrain nothing (vLLM's empty field: 400)
             return given
         if given is None:
             return implied
@@ -462,7 +468,10 @@ class ChatCompletionRequest(_SamplingFields):
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                 "to be set",
             )
-        if choice != "auto" and self.structured_outputs is not None:
+        constrained = (
+            self.structured_outputs is not None and self.structured_outputs.params().kinds()
+        )
+        if choice != "auto" and constrained:  # (its options alone, json bounds, are no constraint)
             raise ParamError(
                 "structured_outputs",
                 "You can only either use constraints for structured outputs or tools, not both.",
@@ -493,7 +502,15 @@ class ChatCompletionRequest(_SamplingFields):
                 schema = named_schema(tools, forced)
         except ValueError as e:
             raise ParamError("tools", str(e)) from None
-        return StructuredOutputsParams(json=json.dumps(schema))
+        tool_json = StructuredOutputsParams(json=json.dumps(schema))
+        if self.structured_outputs is not None:  # its options (json bounds) apply to it too
+            options = self.structured_outputs.params()
+            return msgspec.structs.replace(
+                tool_json,
+                unbounded_json=options.unbounded_json,
+                json_max_string_length=options.json_max_string_length,
+            )
+        return tool_json
 
     def template(self) -> str | None:
         """The request's own chat template (vLLM also takes one in ``chat_template_kwargs``);
