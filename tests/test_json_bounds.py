@@ -13,7 +13,7 @@ xgr = pytest.importorskip("xgrammar")
 
 from services.config import ConfigError  # noqa: E402
 from services.config.engine import StructuredOutputsConfig  # noqa: E402
-from services.config.json_bounds import UNBOUNDED, JsonBounds  # noqa: E402
+from services.config.structured_outputs import UNBOUNDED, JsonBounds  # noqa: E402
 from services.protocol import StructuredOutputsParams  # noqa: E402
 from services.structured_output.json_bounds import bound_grammar  # noqa: E402
 from services.structured_output.manager import constraint_of  # noqa: E402

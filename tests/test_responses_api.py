@@ -194,3 +194,35 @@ def test_the_openai_agents_sdk_default_model_runs_a_function_tool(server: Remote
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
     assert kinds[-1] == "message_output_item"
+
+
+def test_cancel_stops_an_answer_in_progress(server: RemoteServer) -> None:
+    """A whole answer in progress is stored as such (GET sees it), /cancel aborts its
+    engine request, and the waiting client gets it with status "cancelled". (Its id comes
+    from the X-Request-Id header, as every response id here.)"""
+    import concurrent.futures
+    import time
+
+    rid = f"resp_cancel{time.monotonic_ns()}"
+    body = {"model": MODEL, "input": "Count to one thousand.", "max_output_tokens": 900,
+            "temperature": 0}  # fmt: skip
+    headers = {"X-Request-Id": rid.removeprefix("resp_")}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{server.url}/v1/responses", json=body,
+                              headers=headers, timeout=120)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            got = httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10)
+            if got.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert got.status_code == 200 and got.json()["status"] == "in_progress", got.text
+        r = httpx.post(f"{server.url}/v1/responses/{rid}/cancel", timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        answer = pending.result(60)
+    assert answer.status_code == 200 and answer.json()["status"] == "cancelled"
+    assert answer.json()["usage"] is None or answer.json()["usage"]["output_tokens"] < 900
+    assert httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10).json()["status"] == "cancelled"
+    ok = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi",
+                                                        "max_output_tokens": 2}, timeout=60)  # fmt: skip
+    assert ok.json()["status"] in ("completed", "incomplete")  # and the server goes on

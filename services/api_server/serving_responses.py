@@ -64,6 +64,7 @@ class Stored:
     history: list[dict[str, Any]]  # the conversation up to and including its output
     at: float = field(default_factory=time.monotonic)
     task: asyncio.Task[Any] | None = None  # the answer while in progress
+    cancelled: bool = False  # by ``/cancel`` (not its client leaving)
 
 
 class ResponseStore:
@@ -287,17 +288,18 @@ class ResponsesServing(ChatServing):
             self.store.put(rid, Stored(response, previous + turn))
         if not chat.stream:
             task = asyncio.ensure_future(answer.whole(deltas))
-            if (stored := self.store.get(rid)) is not None:
-                stored.task = task
+            entry = self.store.get(rid)
+            if entry is not None:
+                entry.task = task
             try:
                 await until_disconnect(request, asyncio.shield(task))
-            except ClientGone:
-                task.cancel()
-                return client_closed()
-            except asyncio.CancelledError:
-                if not task.cancelled():  # this handler itself is cancelled
-                    raise
-                response["status"] = "cancelled"  # by ``/cancel``
+            except (ClientGone, asyncio.CancelledError):
+                if entry is None or not entry.cancelled:  # the client left (or we stop)
+                    task.cancel()
+                    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                        raise
+                    return client_closed()
+                response["status"] = "cancelled"  # by ``/cancel``: the client still waits
             except EngineRequestError as e:
                 response["status"] = "failed"
                 response["error"] = {"code": str(e.status), "message": e.message}
@@ -337,6 +339,7 @@ class ResponsesServing(ChatServing):
         if stored.response["status"] != "in_progress" or stored.task is None:
             return error_response(400, f"Response '{rid}' is {stored.response['status']}: only "
                                   "a response in progress can be cancelled.")  # fmt: skip
+        stored.cancelled = True
         stored.task.cancel()  # its deltas' iterator closes: the engine aborts the request
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await stored.task

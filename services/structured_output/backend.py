@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import tokenizers
 
-from services.config.json_bounds import UNBOUNDED, JsonBounds
+from services.config.structured_outputs import UNBOUNDED, JsonBounds
 from services.registry import GRAMMAR_BACKENDS, resolve
 from services.request import Matcher
 

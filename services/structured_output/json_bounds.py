@@ -3,7 +3,7 @@
 A schema that sets no bound lets a model write a number of 180 digits or 170 newlines
 between two keys: every prefix valid, the answer useless, the request ended by
 ``max_tokens`` (vLLM behaves so; its users report endless digits under an empty schema).
-By default (``JsonBounds()``, ``services/config/json_bounds.py``) the xgrammar backend
+By default (``JsonBounds()``, ``services/config/structured_outputs.py``) the xgrammar backend
 bounds
 
 - the whitespace between two JSON tokens: at most ``whitespace`` characters in one run
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 
-from services.config.json_bounds import UNBOUNDED, JsonBounds
+from services.config.structured_outputs import UNBOUNDED, JsonBounds
 
 __all__ = ["UNBOUNDED", "JsonBounds", "bound_grammar"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.config import StructuredOutputsConfig
-from services.config.json_bounds import UNBOUNDED
+from services.config.structured_outputs import UNBOUNDED
 from services.protocol import StructuredOutputsParams
 from services.request import Matcher
 from services.structured_output.backend import (
