@@ -53,7 +53,7 @@ def api_schema(remote):
 
 def _check(response) -> None:
     assert response.status_code < 500, response.text
-    if response.status_code >= 400 and "/v1/messages" in response.request.url:
+    if response.status_code >= 400 and "/v1/messages" in str(response.request.url):
         body = response.json()  # Anthropic's error shape
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
         assert body["error"]["message"] and body["error"]["type"].endswith("_error")

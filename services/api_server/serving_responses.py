@@ -317,6 +317,8 @@ class ResponsesServing(ChatServing):
                 async for piece in answer.stream(first, deltas):
                     yield piece
             finally:
+                if response["status"] == "in_progress":  # the client closed the stream
+                    response["status"] = "cancelled"
                 remember()
 
         return BoundedStreamingResponse(events(), self.settings.limits.stream_send_timeout)
