@@ -341,7 +341,9 @@ def test_startup_summary_on_a_simulated_server() -> None:
         "300", "--async-scheduling", "--kv-cache-dtype", "fp8",
     ) as server:  # fmt: skip
         server.wait_ready()
-        log = server.log
+        deadline = time.monotonic() + 60  # /health answers a moment before the banner
+        while "actorserve is serving" not in (log := server.log) and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert log.count("start-up summary:") == 1, log
     summary = log[log.index("start-up summary:") :]
     summary = summary[: summary.index("actorserve is serving")]  # before the banner
