@@ -8,6 +8,7 @@ with the checks that turn one into ``SamplingParams``, in one place (as vLLM's p
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Annotated, Any, Literal
@@ -53,6 +54,12 @@ _IGNORED_LOGGED: set[str] = set()  # unknown field names already logged
 _IGNORED_LOGGED_MAX = 1024  # (a client inventing names cannot grow it without end)
 
 
+@functools.cache
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    """A request model's field names and aliases (once per class, not per request)."""
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
 class OpenAIBaseModel(BaseModel):
     """Unknown fields are ignored, as vLLM ignores them (``guided_json``, ``guided_choice``
     ... were removed from vLLM: ``structured_outputs`` took their place), and logged as
@@ -64,9 +71,7 @@ class OpenAIBaseModel(BaseModel):
     @classmethod
     def _log_ignored_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
-            known = {f.alias or name for name, f in cls.model_fields.items()} | set(
-                cls.model_fields
-            )
+            known = _known_fields(cls)
             new = {k for k in data if isinstance(k, str) and k not in known} - _IGNORED_LOGGED
             if new and len(_IGNORED_LOGGED) < _IGNORED_LOGGED_MAX:
                 _IGNORED_LOGGED.update(new)

@@ -35,7 +35,7 @@ from services.api_server.protocol import (
     TokenizeChatRequest,
     check_template_trust,
 )
-from services.api_server.serving import Deltas, ResponseContext
+from services.api_server.serving import Deltas, ResponseContext, check_error
 from services.api_server.serving_chat import ChatServing
 from services.api_server.tool_calls import CallArguments, CallStart, Content, Event, ToolCalling
 from services.protocol import TokenizeRequest
@@ -256,7 +256,7 @@ async def messages_full(
 ) -> dict[str, Any]:
     state = ChoiceState()
     async for _, delta in deltas:
-        _check(delta)
+        check_error(delta)
         state.update(delta, delta.text)
     text = "".join(state.text)
     content: list[dict[str, Any]] = []
@@ -277,13 +277,6 @@ async def messages_full(
         "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
         "usage": _usage(state),
     }  # fmt: skip
-
-
-def _check(delta: Any) -> None:
-    if delta.finish_reason == "error":
-        if delta.error is not None:
-            raise EngineRequestError(400, delta.error, "BadRequestError")
-        raise EngineRequestError(500, "the engine failed while generating", "InternalServerError")
 
 
 async def messages_stream(
@@ -336,7 +329,7 @@ async def messages_stream(
 
     try:
         async for _, delta in deltas:
-            _check(delta)
+            check_error(delta)
             state.update(delta, delta.text)
             if not started:
                 started = True
