@@ -129,7 +129,7 @@ class LLM:
             self._ranks = LocalWorkerRanks(self.config, folder)
             executor = self._ranks.executor
         # The detokenizer process's logic: text, stop strings and logprobs of every request.
-        self.output_processor = OutputProcessor(self.tokenizer.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer.tokenizer, split_reasoning=False)
         self.core = EngineCore(
             self.config,
             executor,

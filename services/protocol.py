@@ -85,6 +85,18 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
             raise InvalidParam("json_max_string_length must be at least 1", "structured_outputs")
 
 
+class ReasoningParams(msgspec.Struct, **_STRUCT):
+    """A chat answer's thinking (``--reasoning-parser``), set by the tokenizer from the
+    rendered prompt: the markers around the thinking, and ``phase``, where the output
+    starts: "thinking" (the prompt opened it, or the model always thinks) or "opening"
+    (the model opens it with ``start``, or answers at once). A prompt that closed the
+    thinking (``enable_thinking: false``) gets no ReasoningParams: all of it is answer."""
+
+    start: str
+    end: str
+    phase: str = "thinking"
+
+
 class SamplingParams(msgspec.Struct, **_STRUCT):
     """How to sample one request's output, with vLLM's names and defaults.
 
@@ -116,6 +128,9 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     bad_words_token_ids: list[list[int]] = []  # filled in by the tokenizer from bad_words
     # One constraint on the output (the scheduler compiles it; workers never see it)
     structured_outputs: StructuredOutputsParams | None = None
+    # Thinking to split from the answer (the tokenizer sets it; services/structured_output/
+    # reasoning.py): the detokenizer splits the text, the scheduler holds a constraint back
+    reasoning: ReasoningParams | None = None
 
     def validate(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         """ValueError("<param> <why>") for the first bad parameter; ``max_logprobs`` is
@@ -182,6 +197,25 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
         return self.temperature < 1e-5 or self.top_k == 1
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's sequence pooling types
+
+
+class PoolingParams(msgspec.Struct, **_STRUCT):
+    """An embedding request's pooling, resolved from ``--pooler-config`` and the request.
+
+    The request computes its prompt once (prefill only) and returns one vector: the final
+    norm's hidden state of its last token (``LAST``), of its first (``CLS``) or the mean over
+    every prompt token (``MEAN``); cut to its first ``dimensions`` entries (matryoshka), then
+    L2-normalised if ``normalize``. ``truncate_prompt_tokens`` keeps the prompt's last N
+    tokens (the tokenizer applies it; vLLM's rule).
+    """
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+
 def choice_params(sampling: SamplingParams, index: int) -> SamplingParams:
     """The parameters of choice ``index`` of an ``n``-choice request: one sequence each,
     and with a seed, choice i uses seed + i (as vLLM), so choices differ but repeat."""
@@ -207,6 +241,7 @@ class NewRequest(msgspec.Struct, **_STRUCT):
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    pooling: PoolingParams | None = None  # an embedding: pooled once its prompt is computed
 
 
 class RunningRequestDelta(msgspec.Struct, **_STRUCT):
@@ -283,12 +318,21 @@ class PromptLogprobs(msgspec.Struct, **_STRUCT):
     items: list[TokenLogprobs]
 
 
+class PooledOutput(msgspec.Struct, **_STRUCT):
+    """A pooling request's vector, computed in the step that ended its prompt: float32
+    little-endian bytes (raw, not a list of floats: 4 bytes an entry on the wire)."""
+
+    req_id: str
+    data: bytes
+
+
 class StepResult(msgspec.Struct, **_STRUCT):
     """What rank 0 returns for a StepPlan: one sampled token per sampling request.
 
     ``logprobs[i]`` is set only for requests that asked for logprobs;
     ``prompt_logprobs`` has an entry for each request that asked for prompt
-    logprobs and computed prompt tokens this step.
+    logprobs and computed prompt tokens this step; ``pooled`` one per pooling
+    request whose prompt ended this step (those sample nothing).
     """
 
     step_id: int
@@ -296,6 +340,7 @@ class StepResult(msgspec.Struct, **_STRUCT):
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     prompt_logprobs: list[PromptLogprobs] = []
+    pooled: list[PooledOutput] = []
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
@@ -322,6 +367,7 @@ class RequestTokens(msgspec.Struct, **_STRUCT):
     # With finish_reason "error" when the request itself was at fault (its grammar): why,
     # for the client (a 400); None for the engine's own failures (a 500)
     error: str | None = None
+    pooled: bytes = b""  # a pooling request's vector (PooledOutput.data), with its finish
 
 
 class TokenBatch(msgspec.Struct, **_STRUCT):
@@ -376,6 +422,7 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     data_parallel_rank: int | None = (
         None  # X-data-parallel-rank: this engine core, not the balancer's
     )
+    pooling: PoolingParams | None = None  # /v1/embeddings, /pooling: a vector, no tokens
 
 
 class TokenizeRequest(msgspec.Struct, **_TAGGED):
@@ -419,6 +466,7 @@ class TokenizedRequest(msgspec.Struct, **_TAGGED):
     cache_salt: str | None = None
     eos_token_id: int | None = None
     kv_transfer_params: dict[str, object] | None = None
+    pooling: PoolingParams | None = None
 
 
 class TokenizedBatch(msgspec.Struct, **_TAGGED):
@@ -525,6 +573,9 @@ class TextDelta(msgspec.Struct, **_STRUCT):
     prompt_token_ids: list[int] | None = None  # on the first delta, with return_token_ids
     kv_transfer_params: dict[str, object] | None = None  # on the last delta, when held for PD
     error: str | None = None  # RequestTokens.error, with finish_reason "error"
+    reasoning: str = ""  # new thinking text (--reasoning-parser); ``text`` is the answer's
+    num_reasoning_tokens: int = 0  # of num_output_tokens, those of the thinking
+    pooled: bytes = b""  # RequestTokens.pooled, passed through undecoded
 
 
 class TextDeltaBatch(msgspec.Struct, **_TAGGED):

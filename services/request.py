@@ -11,6 +11,7 @@ import msgspec
 from services import clock
 from services.protocol import (
     BlockHash,
+    PoolingParams,
     PromptLogprobs,
     SamplingParams,
     TokenizedRequest,
@@ -98,8 +99,12 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, object] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.req_id = req_id
+        # An embedding (/v1/embeddings, /pooling): prefill only, finished by the step that
+        # computes its prompt's end, with the pooled vector instead of a token.
+        self.pooling = pooling
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -147,6 +152,7 @@ class Request:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
             kv_transfer_params=msg.kv_transfer_params,
+            pooling=msg.pooling,
         )
 
     @property
@@ -193,7 +199,11 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """Prompt logprobs need every prompt position computed, so no prefix hit (as vLLM)."""
+        """Prompt logprobs need every prompt position computed, so no prefix hit (as vLLM);
+        so do MEAN and CLS pooling (every token's hidden state, or the first one's). LAST
+        pooling reads hits: the last token is always computed (``get_computed_blocks``)."""
+        if self.pooling is not None and self.pooling.pooling_type != "LAST":
+            return True
         return self.prompt_logprobs_pending
 
     def record_event(self, event: RequestEventType, ts: float | None = None) -> None:

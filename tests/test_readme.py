@@ -530,9 +530,16 @@ def _wait_ready(started: list[Started]) -> None:
         time.sleep(0.5)
 
 
-def _one_completion(url: str) -> None:
+def _one_completion(url: str, pooling: bool = False) -> None:
+    """A completion, or on a ``--runner pooling`` server (no generation) an embedding."""
     models = httpx.get(f"{url}/v1/models", timeout=30)
     assert models.status_code == 200, models.text
+    if pooling:
+        body = {"model": models.json()["data"][0]["id"], "input": "The capital of France is"}
+        r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=CLIENT_TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"][0]["embedding"]) > 0
+        return
     body = {
         "model": models.json()["data"][0]["id"],
         "prompt": "The capital of France is",
@@ -620,7 +627,7 @@ def run_group(group: Group) -> None:
         _wait_ready(started)
         ready_s = time.monotonic() - began
         front = [s for s in started if s.port is not None][-1]
-        _one_completion(f"http://127.0.0.1:{front.port}")
+        _one_completion(f"http://127.0.0.1:{front.port}", "--runner pooling" in front.text)
         for client in group.clients:
             _run_client(["bash", "-c", _substitute(client.text, ports)], client.text)
         for block in group.python_clients:

@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from services.api_server.serving_responses import ResponseStore, Stored
+from services.api_server.response_store import ResponseStore, Stored
 from tests.server_utils import RemoteServer, tool_calling_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -160,7 +160,7 @@ def test_the_store_is_bounded_in_count_and_age(monkeypatch: pytest.MonkeyPatch) 
     for i in range(3):
         store.put(f"r{i}", Stored({"id": f"r{i}"}, []))
     assert store.get("r0") is None and store.get("r1") and store.get("r2")
-    import services.api_server.serving_responses as mod
+    import services.api_server.response_store as mod
 
     now = mod.time.monotonic()
     monkeypatch.setattr(mod.time, "monotonic", lambda: now + 101.0)

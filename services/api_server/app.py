@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from services.api_server.frontend import EngineFrontend, EngineRequestError
 from services.api_server.http_io import (
     AccessLogMiddleware,
+    APIError,
     AuthMiddleware,
     InternalErrorMiddleware,
     XRequestIdMiddleware,
@@ -38,6 +39,11 @@ from services.api_server.protocol import (
 from services.api_server.serving_base import ServerSettings
 from services.api_server.serving_chat import ChatServing
 from services.api_server.serving_completion import CompletionServing
+from services.api_server.serving_embeddings import (
+    EmbeddingRequest,
+    EmbeddingServing,
+    PoolingRequest,
+)
 from services.api_server.serving_messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -88,19 +94,28 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     messages = MessagesServing(frontend, settings, on_sent=requests_sent.inc)  # Anthropic's
     responses = ResponsesServing(frontend, settings, on_sent=requests_sent.inc)
     tokenization = TokenizeServing(frontend, settings)
+    embeddings = EmbeddingServing(frontend, settings, on_sent=requests_sent.inc)
+
+    def generation_only(api: str) -> None:
+        """A --runner pooling server generates nothing: vLLM's 400 for its generate APIs."""
+        if settings.runner == "pooling":
+            raise APIError(400, f"The model does not support {api} API")
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
+        generation_only("Completions")
         req = parse_body(CompletionRequest, await read_body(request))
         return await completions.create_completion(req, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
+        generation_only("Chat Completions")
         req = parse_body(ChatCompletionRequest, await read_body(request))
         return await chat.create_chat_completion(req, request)
 
     @app.post("/v1/messages")
     async def create_message(request: Request) -> Response:
+        generation_only("Messages")
         return await messages.create_message(request, lambda: read_body(request))
 
     @app.post("/v1/messages/count_tokens")
@@ -109,6 +124,7 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
+        generation_only("Responses")
         return await responses.create(request, lambda: read_body(request))
 
     @app.get("/v1/responses/{response_id}")
@@ -122,6 +138,16 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
         return await responses.cancel(response_id)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: Request) -> Response:
+        req = parse_body(EmbeddingRequest, await read_body(request))
+        return await embeddings.create_embedding(req, request)
+
+    @app.post("/pooling")
+    async def create_pooling(request: Request) -> Response:
+        req = parse_body(PoolingRequest, await read_body(request))
+        return await embeddings.create_pooling(req, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -191,6 +217,8 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
             "/v1/chat/completions": (ChatCompletionRequest,),
             "/v1/messages": (MessagesRequest,),
             "/v1/messages/count_tokens": (CountTokensRequest,),
+            "/v1/embeddings": (EmbeddingRequest,),
+            "/pooling": (PoolingRequest,),
             "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
             "/detokenize": (DetokenizeRequest,),
         },

@@ -35,12 +35,14 @@ def fan_out(
 @dataclass
 class ChoiceState:
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # a thinking model's (--reasoning-parser)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[DecodedLogprob] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0
     prompt_logprobs: DecodedPromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -52,6 +54,8 @@ class ChoiceState:
     def update(self, delta: TextDelta, text: str) -> None:
         """Record a delta (``text`` may start with the echoed prompt)."""
         self.text.append(text)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
         self.logprobs += delta.logprobs
         self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         self.prompt_token_ids = self.prompt_token_ids or delta.prompt_token_ids
@@ -61,3 +65,4 @@ class ChoiceState:
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
+        self.num_reasoning_tokens = delta.num_reasoning_tokens

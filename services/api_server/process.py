@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from services.api_server.app import build_app
@@ -54,7 +56,21 @@ def server_settings(config: ServeConfig) -> ServerSettings:
         access_log_skip=[
             p.strip() for p in config.disable_access_log_for_endpoints.split(",") if p.strip()
         ],
+        runner=config.engine.model.resolved_runner,
+        pooler=config.engine.model.pooler,
+        embedding_size=_hidden_size(config),
     )
+
+
+def _hidden_size(config: ServeConfig) -> int | None:
+    """The model's hidden size, the longest embedding (None when not pooling)."""
+    if config.engine.model.resolved_runner != "pooling" or not config.model_folder:
+        return None
+    try:  # the folder the launcher prepared and the workers loaded: its config.json is good
+        size = json.loads((Path(config.model_folder) / "config.json").read_text())["hidden_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) else None
 
 
 def run_api_server_process(config: ServeConfig, control: str) -> None:

@@ -57,12 +57,15 @@ def usage(ctx: ResponseContext, states: list[ChoiceState]) -> dict[str, Any]:
     firsts = [states[p * ctx.n] for p in range(ctx.num_prompts)]
     prompt = sum(s.num_prompt_tokens for s in firsts)
     completion = sum(s.num_output_tokens for s in states)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in firsts)},
     }
+    if reasoning := sum(s.num_reasoning_tokens for s in states):  # OpenAI's field
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 def check_error(delta: TextDelta) -> None:

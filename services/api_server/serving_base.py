@@ -26,6 +26,7 @@ from services.api_server.http_io import (
 )
 from services.api_server.serving import Deltas, ResponseContext
 from services.config import RequestLimits
+from services.config.pooling import PoolerConfig
 from services.http.errors import client_closed
 from services.protocol import GenerateRequest, SamplingParams
 
@@ -52,6 +53,10 @@ class ServerSettings:
     # the access log (a line per request; --disable-uvicorn-access-log), and paths without it
     access_log: bool = True
     access_log_skip: list[str] = field(default_factory=lambda: ["/health", "/load", "/metrics"])
+    # --runner (resolved): "pooling" serves /v1/embeddings and /pooling instead of generation
+    runner: str = "generate"
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)  # --pooler-config
+    embedding_size: int | None = None  # the model's hidden size: the most ``dimensions``
 
 
 class ServingBase:

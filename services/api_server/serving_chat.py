@@ -175,6 +175,9 @@ async def chat_stream(
             states[index].update(delta, delta.text)
             finish_reason = delta.finish_reason
             message: dict[str, Any] = {"content": delta.text}
+            if delta.reasoning:  # vLLM's field, and the name it had before (still read)
+                message = {"content": delta.text} if delta.text else {}
+                message["reasoning"] = message["reasoning_content"] = delta.reasoning
             if tools is not None:
                 stream = calls[index]
                 events = stream.feed(delta.text)
@@ -183,6 +186,8 @@ async def chat_stream(
                     finish_reason = tools.finish_reason(bool(stream.calls), finish_reason)
                 content, tool_calls = _tool_call_deltas(events, tools)
                 message = {"content": content} if content else {}
+                if delta.reasoning:
+                    message["reasoning"] = message["reasoning_content"] = delta.reasoning
                 if tool_calls:
                     message["tool_calls"] = tool_calls
                 if not (message or finish_reason or want_logprobs or ctx.return_token_ids):
@@ -214,19 +219,26 @@ async def chat_stream(
 def _chat_message(
     state: ChoiceState, tools: ToolCalling | None
 ) -> tuple[dict[str, Any], str | None]:
-    """A whole choice's message and finish reason."""
+    """A whole choice's message and finish reason; a thinking model's thinking in
+    ``reasoning`` (vLLM's field) and ``reasoning_content`` (its older name, still read)."""
     text = "".join(state.text)
+    thinking = "".join(state.reasoning) or None
     if tools is None:
-        return {"role": "assistant", "content": text, "tool_calls": []}, state.finish_reason
-    stream = tools.stream()
-    stream.feed(text)
-    stream.finish()
-    message = {
-        "role": "assistant",
-        "content": tools.content(stream),
-        "tool_calls": [call.to_json() for call in tools.calls(stream)],
-    }
-    return message, tools.finish_reason(bool(stream.calls), state.finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
+        finish_reason = state.finish_reason
+    else:
+        stream = tools.stream()
+        stream.feed(text)
+        stream.finish()
+        message = {
+            "role": "assistant",
+            "content": tools.content(stream),
+            "tool_calls": [call.to_json() for call in tools.calls(stream)],
+        }
+        finish_reason = tools.finish_reason(bool(stream.calls), state.finish_reason)
+    if thinking is not None:
+        message["reasoning"] = message["reasoning_content"] = thinking
+    return message, finish_reason
 
 
 async def chat_full(

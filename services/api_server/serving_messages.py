@@ -112,6 +112,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
+    # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}: a thinking model's
+    # chat template told (Qwen3's enable_thinking, DeepSeek's thinking); no budget is kept
+    thinking: dict[str, Any] | None = None
 
 
 def _text(content: str | list[TextBlock] | None) -> str:
@@ -195,6 +198,9 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             body[name] = value
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
+    if req.thinking is not None and req.thinking.get("type") in ("enabled", "disabled"):
+        on = req.thinking["type"] == "enabled"
+        body["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
     return parse_body(ChatCompletionRequest, body)
 
 
@@ -267,6 +273,9 @@ async def messages_full(
         stream.finish()
         text = tools.content(stream) or ""
         calls = tools.calls(stream)
+    if state.reasoning:  # a thinking model's (--reasoning-parser): Anthropic's thinking block
+        content.append({"type": "thinking", "thinking": "".join(state.reasoning),
+                        "signature": ""})  # fmt: skip
     if text:
         content.append({"type": "text", "text": text})
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
@@ -286,7 +295,7 @@ async def messages_stream(
     text or tool call, closed by the next block or the end), then the stop reason."""
     state = ChoiceState()
     stream = tools.stream() if tools is not None else None
-    open_block: str | None = None  # "text" | "tool_use"
+    open_block: str | None = None  # "thinking" | "text" | "tool_use"
     index = -1
     started = False
 
@@ -339,6 +348,13 @@ async def messages_stream(
                     "model": ctx.model, "content": [], "stop_reason": None,
                     "stop_sequence": None, "usage": usage}})  # fmt: skip
                 yield _event("ping", {"type": "ping"})
+            if delta.reasoning:
+                if open_block != "thinking":
+                    for piece in open_({"type": "thinking", "thinking": "", "signature": ""}):
+                        yield piece
+                thinking = {"type": "thinking_delta", "thinking": delta.reasoning}
+                yield _event("content_block_delta", {"type": "content_block_delta",
+                                                     "index": index, "delta": thinking})  # fmt: skip
             if stream is None:
                 events: list[Event] = [Content(delta.text)]
             else:

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +37,7 @@ from services.api_server.choices import ChoiceState
 from services.api_server.frontend import EngineRequestError
 from services.api_server.http_io import APIError, ClientGone, parse_body, until_disconnect
 from services.api_server.protocol import ChatCompletionRequest, ParamError
+from services.api_server.response_store import ResponseStore, Stored
 from services.api_server.serving import Deltas, ResponseContext, check_error
 from services.api_server.serving_chat import ChatServing
 from services.api_server.tool_calls import CallArguments, CallStart, Content, Event, ToolCalling
@@ -53,49 +51,6 @@ _ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-# ---- the store
-
-
-@dataclass
-class Stored:
-    response: dict[str, Any]
-    history: list[dict[str, Any]]  # the conversation up to and including its output
-    at: float = field(default_factory=time.monotonic)
-    task: asyncio.Task[Any] | None = None  # the answer while in progress
-    cancelled: bool = False  # by ``/cancel`` (not its client leaving)
-
-
-class ResponseStore:
-    """Responses kept for ``previous_response_id``, ``GET`` and ``cancel`` (bounded in
-    count and age, oldest out first)."""
-
-    def __init__(self, max_entries: int | None = None, ttl_s: float | None = None) -> None:
-        env = os.environ
-        self.max_entries = max_entries or int(env.get("ACTORSERVE_RESPONSES_STORE_MAX", "1024"))
-        self.ttl_s = ttl_s or float(env.get("ACTORSERVE_RESPONSES_STORE_TTL_S", "3600"))
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._items:
-            first = next(iter(self._items.values()))
-            if now - first.at <= self.ttl_s and len(self._items) <= self.max_entries:
-                break
-            self._items.popitem(last=False)
-
-    def put(self, key: str, stored: Stored) -> None:
-        self._items[key] = stored
-        self._items.move_to_end(key)
-        self._expire()
-
-    def get(self, key: str) -> Stored | None:
-        self._expire()
-        return self._items.get(key)
-
-    def pop(self, key: str) -> Stored | None:
-        return self._items.pop(key, None)
 
 
 # ---- the request
@@ -209,6 +164,8 @@ class Output:
         """The items as the chat messages they continue a conversation with."""
         messages: list[dict[str, Any]] = []
         for item in self.items:
+            if item["type"] == "reasoning":
+                continue  # a model's own thinking: not given back to the template
             if item["type"] == "message":
                 text = "".join(p["text"] for p in item["content"])
                 messages.append({"role": "assistant", "content": text})
@@ -229,7 +186,7 @@ def _usage(state: ChoiceState) -> dict[str, Any]:
         "input_tokens": state.num_prompt_tokens,
         "input_tokens_details": {"cached_tokens": state.num_cached_tokens},
         "output_tokens": state.num_output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": state.num_reasoning_tokens},
         "total_tokens": state.num_prompt_tokens + state.num_output_tokens,
     }
 
@@ -382,12 +339,33 @@ class _Answer:
         async for _, delta in deltas:
             check_error(delta)
             self.state.update(delta, delta.text)
+            self._think(delta.reasoning)
             for event in self._events(delta.text, delta.finish_reason is not None):
                 self._apply(event)
         self._close()
         self._finish()
 
     # ---- items
+
+    def _think(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        """Take a thinking model's reasoning text (``--reasoning-parser``) into a reasoning
+        item; the stream events it makes."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        if not text:
+            return out
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._close()
+            item: dict[str, Any] = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+                                    "content": [], "status": "in_progress"}  # fmt: skip
+            out += self._add(item)
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"].append(part)
+            out.append(("response.content_part.added", {**self._where(), "content_index": 0,
+                                                        "part": dict(part)}))  # fmt: skip
+        self.open["content"][0]["text"] += text  # type: ignore[index]
+        out.append(("response.reasoning_text.delta", {**self._where(), "content_index": 0,
+                                                      "delta": text}))  # fmt: skip
+        return out
 
     def _apply(self, e: Event) -> list[tuple[str, dict[str, Any]]]:
         """Take one event into the output; the stream events it makes."""
@@ -428,7 +406,7 @@ class _Answer:
     def _add(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         self.output.items.append(item)
         self.open = item
-        added = {**item, "content": []} if item["type"] == "message" else dict(item)
+        added = {**item, "content": []} if "content" in item else dict(item)
         return [("response.output_item.added",
                  {"output_index": len(self.output.items) - 1, "item": added})]  # fmt: skip
 
@@ -438,10 +416,13 @@ class _Answer:
             return []
         where = self._where()
         out: list[tuple[str, dict[str, Any]]] = []
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            out.append(("response.output_text.done", {**where, "content_index": 0,
-                                                      "text": part["text"], "logprobs": []}))  # fmt: skip
+            done = {**where, "content_index": 0, "text": part["text"]}
+            if item["type"] == "message":
+                out.append(("response.output_text.done", {**done, "logprobs": []}))
+            else:
+                out.append(("response.reasoning_text.done", done))
             out.append(("response.content_part.done", {**where, "content_index": 0,
                                                        "part": dict(part)}))  # fmt: skip
         else:
@@ -469,6 +450,8 @@ class _Answer:
                 for _, delta in pending:
                     check_error(delta)
                     self.state.update(delta, delta.text)
+                    for kind, data in self._think(delta.reasoning):
+                        yield self._sse(kind, data)
                     for event in self._events(delta.text, delta.finish_reason is not None):
                         for kind, data in self._apply(event):
                             yield self._sse(kind, data)

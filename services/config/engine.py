@@ -15,7 +15,14 @@ from typing import Any
 
 from services.config.checks import check_worker_flags
 from services.config.kv_transfer import KVTransferConfig
-from services.config.structured_outputs import StructuredOutputsConfig
+from services.config.pooling import (
+    CONVERTS,
+    RUNNERS,
+    PoolerConfig,
+    check_pooling_flags,
+    resolve_runner,
+)
+from services.config.structured_outputs import REASONING_MARKERS, StructuredOutputsConfig
 from services.flags import (
     ConfigError,
     add_flags,
@@ -89,6 +96,26 @@ class ModelConfig:
         ),
     )
     seed: int = field(default=0, metadata=flag("seed of the sampler's shared generator"))
+    # vLLM's pooling flags (services/config/pooling.py): embeddings instead of generation
+    runner: str = field(
+        default="auto",
+        metadata=flag("pooling: /v1/embeddings and /pooling, no generation", choices=RUNNERS),
+    )
+    convert: str = field(
+        default="auto", metadata=flag("--runner pooling: auto = embed", choices=CONVERTS)
+    )
+    pooler_config: str | None = field(
+        default=None,
+        metadata=flag('vLLM\'s JSON (default: {"pooling_type": "LAST", "normalize": true})'),
+    )
+
+    @property
+    def resolved_runner(self) -> str:  # generate or pooling
+        return resolve_runner(self.runner, self.convert)
+
+    @property
+    def pooler(self) -> PoolerConfig:
+        return PoolerConfig.from_json(self.pooler_config)
 
 
 @dataclass
@@ -182,10 +209,20 @@ class SchedulerConfig:
             "json_bounds.py says)"
         ),
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            "split a chat answer's thinking into reasoning_content; constraints apply after "
+            "the thinking (vLLM's flag)",
+            choices=tuple(REASONING_MARKERS),
+        ),
+    )
 
     @property
     def structured_outputs(self) -> StructuredOutputsConfig:
-        return StructuredOutputsConfig.from_json(self.structured_outputs_config)
+        return StructuredOutputsConfig.from_json(
+            self.structured_outputs_config, self.reasoning_parser
+        )
 
     @property
     def resolved_max_model_len(self) -> int:
@@ -341,6 +378,7 @@ class EngineConfig:
                 f"--kv-cache-dtype {c.kv_cache_dtype} has none (int8 keeps a scale per token)"
             )
         check_choice("--worker-backend", w.worker_backend, WORKER_BACKENDS)
+        check_pooling_flags(m.runner, m.convert, m.pooler_config, w.worker_backend)
         if w.attention_backend is not None:
             check_choice("--attention-backend", w.attention_backend, ATTENTION_BACKENDS)
         if not (0.0 < c.gpu_memory_utilization <= 1.0):

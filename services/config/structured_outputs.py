@@ -32,6 +32,8 @@ UNBOUNDED = JsonBounds(None, None, None)
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", *GRAMMAR_BACKENDS)
+# --reasoning-parser (vLLM's names): the markers around a model's thinking
+REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
 _BOUND_KEYS = ("json_max_whitespace", "json_max_digits", "json_max_string_length")
 
 
@@ -46,7 +48,11 @@ class StructuredOutputsConfig:
     Ours: JSON constraints are bounded (``json_bounds.py``): whitespace runs to
     ``json_max_whitespace`` characters, each part of a number to ``json_max_digits``
     digits, and, if set, unbounded strings to ``json_max_string_length`` characters (each
-    null: no bound); ``unbounded_json`` turns every bound off (vLLM's behaviour)."""
+    null: no bound); ``unbounded_json`` turns every bound off (vLLM's behaviour).
+
+    ``reasoning_parser`` (also ``--reasoning-parser``) splits a chat answer's thinking from
+    its answer (``services/structured_output/reasoning.py``); a constraint then applies
+    from the end of the thinking on, unless ``enable_in_reasoning``."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
@@ -55,6 +61,8 @@ class StructuredOutputsConfig:
     json_max_whitespace: int | None = DEFAULT_WHITESPACE
     json_max_digits: int | None = DEFAULT_DIGITS
     json_max_string_length: int | None = None
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
 
     def json_bounds(self, unbounded: bool = False, string_length: int | None = None) -> JsonBounds:
         """The bounds for a request's JSON constraint (``unbounded``, ``string_length``: the
@@ -68,9 +76,15 @@ class StructuredOutputsConfig:
         )
 
     @classmethod
-    def from_json(cls, text: str | None) -> StructuredOutputsConfig:
+    def from_json(
+        cls, text: str | None, reasoning_parser: str | None = None
+    ) -> StructuredOutputsConfig:
+        """The flag's JSON; ``reasoning_parser`` is ``--reasoning-parser`` (it wins over
+        the JSON's key, as vLLM's flag does)."""
+        if reasoning_parser is not None:
+            check_choice("--reasoning-parser", reasoning_parser, tuple(REASONING_MARKERS))
         if not text:
-            return cls()
+            return cls(reasoning_parser=reasoning_parser)
         flag = "--structured-outputs-config"
         raw = parse_json_object(flag, text, {
             "backend", "disable_any_whitespace", "disable_fallback",
@@ -79,7 +93,13 @@ class StructuredOutputsConfig:
         })  # fmt: skip
         backend = raw.get("backend", "auto")
         check_choice(f"{flag} backend", backend, STRUCTURED_OUTPUT_BACKENDS)
-        for key in ("disable_any_whitespace", "disable_fallback", "unbounded_json"):
+        bools = (
+            "disable_any_whitespace",
+            "disable_fallback",
+            "unbounded_json",
+            "enable_in_reasoning",
+        )
+        for key in bools:
             if not isinstance(raw.get(key, False), bool):
                 raise ConfigError(f"{flag}: {key} must be true or false")
         for key in _BOUND_KEYS:
@@ -89,8 +109,11 @@ class StructuredOutputsConfig:
         # vLLM's keys for what this engine does not have: accepted when they ask for nothing
         if raw.get("disable_additional_properties"):
             raise ConfigError(f"{flag}: disable_additional_properties is not supported")
-        if raw.get("reasoning_parser") or raw.get("reasoning_parser_plugin"):
-            raise ConfigError(f"{flag}: there are no reasoning parsers in this engine")
+        if raw.get("reasoning_parser_plugin"):
+            raise ConfigError(f"{flag}: reasoning_parser_plugin is not supported")
+        parser = reasoning_parser or raw.get("reasoning_parser") or None
+        if parser is not None:
+            check_choice(f"{flag} reasoning_parser", parser, tuple(REASONING_MARKERS))
         bounds = {key: raw[key] for key in _BOUND_KEYS if key in raw}
         return cls(
             backend,
@@ -98,4 +121,6 @@ class StructuredOutputsConfig:
             raw.get("disable_fallback", False),
             raw.get("unbounded_json", False),
             **bounds,
+            reasoning_parser=parser,
+            enable_in_reasoning=raw.get("enable_in_reasoning", False),
         )

@@ -23,6 +23,7 @@ from services.protocol import (
     TokenLogprobs,
 )
 from services.request_log import RequestLog
+from services.structured_output.reasoning import ReasoningSplitter
 
 
 @dataclass
@@ -37,6 +38,8 @@ class _RequestState:
     # --enable-log-outputs: the whole output, logged when it finishes
     output_text: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    reasoning: ReasoningSplitter | None = None  # a chat answer's thinking (--reasoning-parser)
+    num_reasoning_tokens: int = 0  # the tokens of steps that thought
 
 
 @dataclass
@@ -50,6 +53,9 @@ class OutputProcessor:
 
     tokenizer: tokenizers.Tokenizer
     request_log: RequestLog | None = None  # --enable-log-outputs
+    # A thinking model's text split into TextDelta.reasoning and .text (the server); the
+    # offline LLM keeps it whole, as vLLM's does
+    split_reasoning: bool = True
     _states: dict[str, _RequestState] = field(default_factory=dict)
     _early: dict[str, list[RequestTokens]] = field(default_factory=dict)
 
@@ -80,8 +86,15 @@ class OutputProcessor:
             prompt_token_ids=spec.prompt_tail_ids,
             min_tokens=s.min_tokens,
         )
+        splitter = None
+        if s.reasoning is not None and self.split_reasoning:
+            splitter = ReasoningSplitter(s.reasoning)
         self._states[spec.req_id] = _RequestState(
-            spec, detok, prompt_text=spec.prompt_text, prompt_token_ids=spec.prompt_token_ids
+            spec,
+            detok,
+            prompt_text=spec.prompt_text,
+            prompt_token_ids=spec.prompt_token_ids,
+            reasoning=splitter,
         )
         return self.process(TokenBatch(self._early.pop(spec.req_id, [])))
 
@@ -102,7 +115,7 @@ class OutputProcessor:
                 continue
             deltas.append(delta)
             if self.request_log is not None:
-                state.output_text.append(delta.text)
+                state.output_text.append(delta.reasoning + delta.text)
                 state.output_ids += delta.token_ids
                 if delta.finish_reason is not None:
                     self.request_log.outputs(
@@ -139,6 +152,17 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", detok.stop_matched
         elif finish_reason is not None:
             text += detok.flush()
+        reasoning = ""
+        if state.reasoning is not None:
+            thinking = state.reasoning.phase == "thinking"
+            reasoning, answer = state.reasoning.feed(text)
+            if thinking or reasoning or state.reasoning.phase == "thinking":
+                state.num_reasoning_tokens += len(item.new_token_ids)
+            if finish_reason is not None:
+                more_reasoning, more_answer = state.reasoning.finish()
+                reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        else:
+            answer = text
         logprobs = (
             [self._decode_logprobs(lp) for lp in item.logprobs]
             if state.spec.sampling.logprobs is not None
@@ -153,7 +177,9 @@ class OutputProcessor:
         prompt_ids, state.prompt_token_ids = state.prompt_token_ids, None
         return TextDelta(
             req_id=item.req_id,
-            text=text,
+            text=answer,
+            reasoning=reasoning,
+            num_reasoning_tokens=state.num_reasoning_tokens,
             token_ids=item.new_token_ids,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
@@ -166,6 +192,7 @@ class OutputProcessor:
             prompt_token_ids=prompt_ids,
             kv_transfer_params=item.kv_transfer_params,
             error=item.error,
+            pooled=item.pooled,  # an embedding: passed on as the bytes it came in
         )
 
     def _decode_logprobs(self, lp: TokenLogprobs) -> DecodedLogprob:

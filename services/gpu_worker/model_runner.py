@@ -23,14 +23,15 @@ import torch
 from actorserve_kernels import kv_quant
 from services.config import DTYPES, EngineConfig, ModelArchConfig
 from services.gpu_worker import step_outputs
-from services.gpu_worker.attention import AttentionMetadata, KVCache, get_attention_backend
+from services.gpu_worker.attention import KVCache, get_attention_backend
 from services.gpu_worker.base import WorkerBackend
 from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_all, capture_sizes
 from services.gpu_worker.distributed import SINGLE_RANK, HeadShard, ParallelState, StageLink
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.model.llama import CheckpointTensor, LlamaForCausalLM
+from services.gpu_worker.pooler import Pooler
 from services.gpu_worker.sampler import Sampler
-from services.gpu_worker.step_inputs import StepBuffers
+from services.gpu_worker.step_inputs import StepBuffers, build_attention_metadata
 from services.logging_utils import init_logger
 from services.model_loader import ModelLoadError, dummy_weights, iter_weights, load_hf_config
 from services.model_loader.gguf_convert import gguf_source, iter_gguf_weights
@@ -179,6 +180,7 @@ class ModelRunner(WorkerBackend):
             config.scheduler.max_num_seqs, self.max_model_len, self.block_size, self.device
         )
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model.seed))
+        self.pooler = Pooler()  # embedding requests: pooled, never sampled (pooler.py)
         self.kv_caches: list[KVCache] = []
         sched = config.scheduler
         self.buffers = StepBuffers(
@@ -399,8 +401,11 @@ class ModelRunner(WorkerBackend):
         batch = self.input_batch
         for req_id in plan.finished_req_ids:
             batch.remove(req_id)
+            self.pooler.drop(req_id)
         for new in plan.new_requests:
             batch.add(new)
+            if self.parallel.is_last_stage:  # the only stage with the final hidden states
+                self.pooler.add(new)
         for delta in plan.running:
             # Only the last stage samples; the others learn the tokens from the plan.
             batch.update(delta, take_tokens=not self.parallel.is_last_stage)
@@ -419,7 +424,8 @@ class ModelRunner(WorkerBackend):
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
         if (scheduled < 1).any() or (computed + scheduled > known).any():
             raise ValueError(f"step {plan.step_id}: scheduled tokens past a request's known tokens")
-        sampling = np.flatnonzero(computed + scheduled == known)
+        pooling = np.array([r in self.pooler for r in req_ids], dtype=bool)
+        sampling = np.flatnonzero((computed + scheduled == known) & ~pooling)  # pooled: no token
         measure, self._measure_kv_scales = self._measure_kv_scales, False
         graph_size = None if measure else self._graph_size(scheduled)
         inputs = self.buffers.prepare(
@@ -455,14 +461,12 @@ class ModelRunner(WorkerBackend):
                 self.link.send(*out)
                 return StepResult(step_id=plan.step_id)
             hidden = out
+            pooled = self.pooler.step(hidden, req_ids, computed, scheduled, known)
             prompt_logprobs = step_outputs.prompt_logprobs(
                 self.model, batch.token_ids, hidden, states, computed, scheduled
             )
             if not sample_states:
-                return StepResult(
-                    step_id=plan.step_id,
-                    prompt_logprobs=prompt_logprobs,
-                )
+                return StepResult(plan.step_id, prompt_logprobs=prompt_logprobs, pooled=pooled)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             constrained = step_outputs.apply_grammar(logits, plan, sample_states)
             md = batch.sampling_metadata(sample_states, logits.shape[1], rows=rows[sampling])
@@ -477,21 +481,5 @@ class ModelRunner(WorkerBackend):
             sampled_token_ids=sampled.tolist(),
             logprobs=step_outputs.to_token_logprobs(sampler_out, sample_states),
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
-
-
-def build_attention_metadata(
-    computed: np.ndarray,
-    scheduled: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    device: torch.device,
-) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
-    """Metadata for requests computing ``scheduled[b]`` tokens after ``computed[b]``, with
-    ``block_table[b]`` their blocks; also each token's request index and position. In
-    buffers of its own, sized for this batch (for tests, benchmarks and profiling; the
-    model runner keeps its ``StepBuffers``)."""
-    num_reqs, num_tokens = len(scheduled), int(scheduled.sum())
-    buffers = StepBuffers(num_reqs, num_tokens, block_table.shape[1], device)
-    inputs = buffers.prepare(np.arange(num_reqs), computed, scheduled, block_table, block_size)
-    return inputs.attn_meta, inputs.token_req, inputs.positions_np

@@ -182,3 +182,20 @@ class StepBuffers:
             self._event.record()
             self._copied = self._event
         return inputs
+
+
+def build_attention_metadata(
+    computed: np.ndarray,
+    scheduled: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+    """Metadata for requests computing ``scheduled[b]`` tokens after ``computed[b]``, with
+    ``block_table[b]`` their blocks; also each token's request index and position. In
+    buffers of its own, sized for this batch (for tests, benchmarks and profiling; the
+    model runner keeps its ``StepBuffers``)."""
+    num_reqs, num_tokens = len(scheduled), int(scheduled.sum())
+    buffers = StepBuffers(num_reqs, num_tokens, block_table.shape[1], device)
+    inputs = buffers.prepare(np.arange(num_reqs), computed, scheduled, block_table, block_size)
+    return inputs.attn_meta, inputs.token_req, inputs.positions_np

@@ -39,6 +39,7 @@ def build_plan(
                 block_ids=kv_cache_manager.get_block_ids(r.req_id),
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_id=r.eos_token_id,
+                pooling=r.pooling,
             )
             for r in picks.new
         ],

@@ -374,7 +374,7 @@ class Scheduler:
                 sampling.add(request.req_id)
                 if request.grammar is not None:
                     constrained.append(request)
-                if self.async_scheduling:
+                if self.async_scheduling and request.pooling is None:
                     request.num_output_placeholders += 1  # the next plan may build on it
         if sampling:
             self._sampling_by_step[plan.step_id] = sampling
@@ -445,6 +445,7 @@ class Scheduler:
         expected = self._sampling_by_step.pop(plan.step_id, set())
         sampled = {req_id: i for i, req_id in enumerate(result.req_ids)}
         prompt_logprobs = {chunk.req_id: chunk for chunk in result.prompt_logprobs}
+        pooled = {p.req_id: p.data for p in result.pooled}
         now = clock.monotonic()
         any_finished = False
         scheduled_ids = itertools.chain(
@@ -462,13 +463,17 @@ class Scheduler:
             if (chunk := prompt_logprobs.get(req_id)) is not None:
                 request.add_prompt_logprobs(chunk)
             i = sampled.get(req_id)
-            if req_id in expected and self.async_scheduling:
+            if req_id in expected and self.async_scheduling and request.pooling is None:
                 request.num_output_placeholders -= 1
             if req_id not in expected:  # a prefill chunk short of the prompt's end
                 if i is not None:
                     logger.warning(
                         "step %d: ignoring a token sampled mid-prefill for %s", plan.step_id, req_id
                     )
+                continue
+            if request.pooling is not None:  # prefill only: its vector ends it
+                outputs.append(self._finish_pooled(request, pooled.get(req_id), plan.step_id))
+                any_finished = True
                 continue
             if i is None:
                 logger.error("step %d: the worker sampled no token for %s", plan.step_id, req_id)
@@ -496,6 +501,17 @@ class Scheduler:
         if any_finished:
             self.table.drop_finished_running()
         return outputs
+
+    def _finish_pooled(self, request: Request, data: bytes | None, step_id: int) -> RequestTokens:
+        """A pooling request whose prompt the step computed: finished with its vector (an
+        error if the worker sent none), its blocks freed (the full ones stay cached)."""
+        if data is None:
+            logger.error("step %d: the worker pooled nothing for %s", step_id, request.req_id)
+        status = RequestStatus.FINISHED_STOPPED if data else RequestStatus.FINISHED_ERROR
+        self._finish(request, status)
+        output = self._output(request, [], request.finish_reason)
+        output.pooled = data or b""
+        return output
 
     def _advance_grammar(
         self, request: Request, token_id: int, status: RequestStatus | None

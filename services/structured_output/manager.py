@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from services.config import StructuredOutputsConfig
 from services.config.structured_outputs import UNBOUNDED
-from services.protocol import StructuredOutputsParams
+from services.protocol import ReasoningParams, StructuredOutputsParams
 from services.request import Matcher
 from services.structured_output.backend import (
     Constraint,
@@ -34,6 +34,7 @@ from services.structured_output.backend import (
     choose_backend,
     load_backend,
 )
+from services.structured_output.reasoning import ThinkingMatcher, TokenTexts
 
 if TYPE_CHECKING:
     from services.model_loader import TokenizerInfo
@@ -105,6 +106,7 @@ class StructuredOutputManager:
             None if synchronous else ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
         )
         self._compiling: dict[str, tuple[Request, Future[Matcher]]] = {}
+        self._token_texts: TokenTexts | None = None  # for thinking models' matchers
 
     @property
     def vocab_size(self) -> int:
@@ -122,17 +124,26 @@ class StructuredOutputManager:
                 self._backends[name] = load_backend(name, self._vocab_info)
             return self._backends[name]
 
-    def _compile(self, constraint: Constraint) -> Matcher:
+    def _compile(self, constraint: Constraint, reasoning: ReasoningParams | None) -> Matcher:
         """The constraint's matcher, from the backend that takes it; ``GrammarError`` also
-        for a grammar that allows nothing at all (it could only fail the request later)."""
+        for a grammar that allows nothing at all (it could only fail the request later).
+        A thinking model's matcher holds the grammar back until the thinking ends
+        (``reasoning.py``), unless ``enable_in_reasoning``."""
         name = choose_backend(self.config.backend, constraint, not self.config.disable_fallback)
-        matcher = self._get_backend(name).matcher(constraint)
+        matcher: Matcher = self._get_backend(name).matcher(constraint)
         import numpy as np  # here: the tokenizer processes import this module, never numpy
 
         row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
         matcher.fill(row, 0)
         if not row.any():
             raise GrammarError(f"the {constraint.kind} constraint allows no output at all")
+        if reasoning is not None and not self.config.enable_in_reasoning:
+            with self._backend_lock:
+                if self._token_texts is None:
+                    assert self._vocab_info is not None
+                    info = self._vocab_info
+                    self._token_texts = TokenTexts(info.tokenizer, info.vocab_size)
+            matcher = ThinkingMatcher(matcher, reasoning, self._token_texts)
         return matcher
 
     # ---- requests in and out
@@ -143,10 +154,11 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         assert params is not None
         constraint = constraint_of(params, self.config)
+        reasoning = request.sampling_params.reasoning
         if self._pool is None:
-            request.grammar = self._compile(constraint)
+            request.grammar = self._compile(constraint, reasoning)
             return True
-        future = self._pool.submit(self._compile, constraint)
+        future = self._pool.submit(self._compile, constraint, reasoning)
         self._compiling[request.req_id] = (request, future)
         if self._wake is not None:
             wake = self._wake

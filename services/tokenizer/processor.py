@@ -17,6 +17,7 @@ from services.protocol import (
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
+    PoolingParams,
     RequestError,
     RequestOutputSpec,
     StructuredOutputsParams,
@@ -27,6 +28,7 @@ from services.protocol import (
 from services.request_log import RequestLog
 from services.structured_output.backend import GrammarError, check_constraint, choose_backend
 from services.structured_output.manager import constraint_of
+from services.structured_output.reasoning import prompt_reasoning
 from services.tokenizer.chat_template import ChatTemplateError, render_chat
 
 _CHECKED_KEPT = 256  # constraints whose check is remembered
@@ -149,6 +151,29 @@ class RequestProcessor:
             )
         return max_tokens
 
+    def pooling_prompt(self, ids: list[int], pooling: PoolingParams) -> list[int]:
+        """An embedding's prompt: its last ``truncate_prompt_tokens`` tokens (-1: the last
+        max_model_len), within max_model_len whole (no output follows); vLLM's messages."""
+        limit, keep = self.max_model_len, pooling.truncate_prompt_tokens
+        if keep is not None:
+            if keep > limit:
+                raise PromptError(
+                    f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                    f"({limit}). Please, select a smaller truncation size.",
+                    "truncate_prompt_tokens",
+                )
+            ids = ids[-(limit if keep == -1 else keep) :]
+        if not ids:
+            raise PromptError("The decoder prompt cannot be empty", "input")
+        if len(ids) > limit:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(ids)} tokens in the input for embedding generation. Please "
+                "reduce the length of the input.",
+                "input",
+            )
+        return ids
+
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """PromptError saying what is wrong unless the grammar engine takes the constraint
         (its syntax only: the scheduler compiles it against the vocabulary). The engine is
@@ -181,7 +206,11 @@ class RequestProcessor:
     ) -> tuple[TokenizedRequest, RequestOutputSpec] | RequestError:
         try:
             ids, text = self.prompt_ids(req)
-            max_tokens = self.check_length(len(ids), req.sampling.max_tokens)
+            if req.pooling is not None:
+                ids = self.pooling_prompt(ids, req.pooling)
+                max_tokens = 1  # never sampled: the request ends with its prompt
+            else:
+                max_tokens = self.check_length(len(ids), req.sampling.max_tokens)
             for param in ("logprobs", "prompt_logprobs"):  # --max-logprobs -1: the vocabulary
                 if (num := getattr(req.sampling, param) or 0) > self._vocab_size:
                     raise PromptError(
@@ -205,10 +234,15 @@ class RequestProcessor:
                     raise PromptError(str(e), "kv_transfer_params") from None
         except PromptError as e:
             return RequestError(req.req_id, 400, str(e), param=e.param)
+        parser = self.structured_outputs.reasoning_parser
         sampling = msgspec.structs.replace(
             req.sampling,
             max_tokens=max_tokens,
             bad_words_token_ids=self.tokenizer.bad_words_token_ids(req.sampling.bad_words),
+            # a chat answer's thinking, told from where the rendered prompt leaves it
+            reasoning=prompt_reasoning(parser, text or "")
+            if parser is not None and req.messages is not None
+            else None,
         )
         if req.echo and text is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -221,6 +255,7 @@ class RequestProcessor:
             cache_salt=req.cache_salt,
             eos_token_id=self.tokenizer.eos_token_id,
             kv_transfer_params=req.kv_transfer_params,
+            pooling=req.pooling,
         )
         if self.request_log is not None:
             self.request_log.inputs(req.req_id, text, ids, sampling)
