@@ -8,8 +8,10 @@ configuration or model-loading mistake prints one ``error:`` line and exits 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from services.config import ConfigError, EngineConfig, add_engine_args, add_serve_args
 
@@ -161,6 +163,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="a replica's base URL (repeat for each; more can be added at run time)",
     )
+    _add_discovery_args(p, ["--selector"])
     p.add_argument("--policy", default="cost", choices=sorted(POLICIES), help="default: cost")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8080)
@@ -223,8 +226,12 @@ def _run_router(args: argparse.Namespace) -> int:
     from services.router.app import RouterConfig, run_router
     from services.router.replicas import backend_url
 
-    if not args.backend and args.api_key is None:
-        raise ConfigError("give at least one --backend (or --api-key, to add them at run time)")
+    discovery = _discovery(args, {"--selector": args.selector})["--selector"]
+    if not args.backend and args.api_key is None and discovery is None:
+        raise ConfigError(
+            "give at least one --backend (or --service-discovery with --selector, or "
+            "--api-key, to add them at run time)"
+        )
     try:
         backends = [backend_url(url) for url in args.backend]
     except ValueError as e:
@@ -272,8 +279,59 @@ def _run_router(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         access_log=not args.disable_uvicorn_access_log,
         access_log_skip=_paths(args.disable_access_log_for_endpoints),
+        discovery=discovery,
     )
     return run_router(config)
+
+
+def _add_discovery_args(p: argparse.ArgumentParser, selectors: list[str]) -> None:
+    """Kubernetes service discovery, named as sglang-router names it
+    (services/router/discovery.py)."""
+    p.add_argument("--service-discovery", action="store_true",
+                   help="find replicas in Kubernetes: the ready pods " + " / ".join(selectors)
+                   + " names, watched through the API (in cluster: the service account)")  # fmt: skip
+    for flag in selectors:
+        what = flag.removeprefix("--").removesuffix("-selector").replace("selector", "replica")
+        p.add_argument(flag, nargs="+", default=[], metavar="KEY=VALUE",
+                       help=f"labels every {what} pod has (with --service-discovery)")  # fmt: skip
+    p.add_argument("--service-discovery-port", type=int, default=8000,
+                   help="the port each discovered pod serves on (default: 8000)")  # fmt: skip
+    p.add_argument("--service-discovery-namespace", default=None,
+                   help="the pods' namespace (default: the router's own pod's)")  # fmt: skip
+    p.add_argument("--service-discovery-api-url", default=None, metavar="URL",
+                   help="the Kubernetes API without the service account's token (kubectl "
+                   "proxy's http://127.0.0.1:8001, a test's fake; default: in cluster)")  # fmt: skip
+
+
+def _discovery(args: argparse.Namespace, selectors: dict[str, list[str]]) -> dict[str, Any]:
+    """Each selector flag's ``DiscoveryConfig`` (None where discovery is off); ConfigError."""
+    from services.router.discovery import DiscoveryConfig, parse_selector
+
+    if not args.service_discovery:
+        given = [flag for flag, items in selectors.items() if items]
+        if given:
+            raise ConfigError(f"{given[0]} needs --service-discovery")
+        return dict.fromkeys(selectors)
+    if not 0 < args.service_discovery_port < 65536:
+        raise ConfigError("--service-discovery-port must be between 1 and 65535")
+    configs: dict[str, Any] = {}
+    for flag, items in selectors.items():
+        try:
+            selector = parse_selector(items)
+        except ValueError as e:
+            raise ConfigError(f"{flag}: {e} (--service-discovery needs it)") from None
+        configs[flag] = DiscoveryConfig(
+            selector=selector,
+            port=args.service_discovery_port,
+            namespace=args.service_discovery_namespace,
+            api_url=args.service_discovery_api_url,
+        )
+    if args.service_discovery_api_url is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        raise ConfigError(
+            "--service-discovery: not in a Kubernetes pod (KUBERNETES_SERVICE_HOST is not "
+            "set); give --service-discovery-api-url (e.g. kubectl proxy's http://127.0.0.1:8001)"
+        )
+    return configs
 
 
 def _paths(value: str | None) -> list[str]:
@@ -292,10 +350,11 @@ def _add_pd_proxy(sub: argparse._SubParsersAction) -> None:
         "kv_producer) and decode instances (kv_consumer): each request is prefilled on one "
         "(max_tokens 1), then generated on another, which pulls the KV from the first.",
     )
-    p.add_argument("--prefill", action="append", default=[], metavar="URL", required=True,
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="a prefill instance's base URL (repeat for each)")  # fmt: skip
-    p.add_argument("--decode", action="append", default=[], metavar="URL", required=True,
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode instance's base URL (repeat for each)")  # fmt: skip
+    _add_discovery_args(p, ["--prefill-selector", "--decode-selector"])
     p.add_argument("--prefill-policy", default="cost", choices=sorted(POLICIES),
                    help="how to choose the prefill instance (default: cost, prefix-aware)")  # fmt: skip
     p.add_argument("--decode-policy", default="cost", choices=sorted(POLICIES),
@@ -324,6 +383,16 @@ def _run_pd_proxy(args: argparse.Namespace) -> int:
     from services.router.pd_proxy import run_pd_proxy
     from services.router.replicas import backend_url
 
+    found = _discovery(
+        args,
+        {"--prefill-selector": args.prefill_selector, "--decode-selector": args.decode_selector},
+    )
+    discovery = {"prefill": found["--prefill-selector"], "decode": found["--decode-selector"]}
+    for role in ("prefill", "decode"):
+        if not getattr(args, role) and discovery[role] is None:
+            raise ConfigError(
+                f"give at least one --{role} (or --service-discovery with --{role}-selector)"
+            )
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for flag, given in (("prefill", args.prefill), ("decode", args.decode)):
         try:
@@ -356,6 +425,7 @@ def _run_pd_proxy(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             access_log=not args.disable_uvicorn_access_log,
             access_log_skip=_paths(args.disable_access_log_for_endpoints),
+            discovery=discovery[role],
         )
 
     return run_pd_proxy(side("prefill", args.prefill_policy), side("decode", args.decode_policy))

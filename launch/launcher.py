@@ -160,6 +160,11 @@ class Launcher:
         parallel = self.config.engine.parallel
         for d in parallel.local_engines:
             start_worker_ranks(self.group, self.config, self._env, d)
+        if parallel.engines_on_ray:  # the engine cores as Ray actors (engine nodes)
+            from launch.ray_ranks import RayRanks
+
+            self.group.ray_ranks = self.group.ray_ranks or RayRanks()
+            self.group.ray_ranks.start_engine_cores(self.group, self.config)
         if self.nodes is not None:
             # The front end connects to every engine core: it needs their addresses first.
             logger.info("waiting for %s on other machines", self.nodes.describe())
@@ -311,6 +316,8 @@ class Launcher:
         """Stop every child but the api_server and forget them, with any READY they sent."""
         engine = [c for c in self.group.children if c is not api]
         self.group.stop(engine)
+        if self.group.ray_ranks is not None:  # its ranks' bundles, for the next placement
+            self.group.ray_ranks.close()
         self.group.children = [c for c in self.group.children if c not in engine]
         for child in engine:
             forget_process_gauges(child.popen.pid)

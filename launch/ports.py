@@ -127,7 +127,7 @@ def server_ports(config: ServeConfig, endpoints: Endpoints) -> list[Port]:
     if runs_engines and p.master_port is not None and p.group_world_size > 1:
         groups = [0] if p.dp_lockstep else [d for d in p.local_engines]
         ports += [Port("--master-port", p.master_addr, p.master_port + d) for d in groups]
-        if p.nnodes > 1:  # plans, results and control, bound on node 0
+        if p.nnodes > 1 or p.ranks_on_ray:  # plans, results and control, bound on node 0
             ports += [
                 Port(f"--master-port (+{i})", p.master_addr, p.master_port + i) for i in (1, 2, 3)
             ]

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.ipc import STOP_SIGNAL
 
@@ -68,6 +69,8 @@ class ProcessGroup:
     # the launcher (one thread for the server's life), wrong for an offline LLM built in a
     # worker thread; the death pipe alone still guards against the process dying.
     pdeathsig: bool = True
+    # The placement groups of ranks that are Ray actors (launch/ray_ranks.py), if any
+    ray_ranks: Any = None
     _death_r: int = -1
     _death_w: int = -1
 
@@ -140,6 +143,8 @@ class ProcessGroup:
     def stop_all(self, timeout: float = 5.0) -> None:
         """``stop`` every child, then close the death pipe."""
         self.stop(self.children, timeout)
+        if self.ray_ranks is not None:
+            self.ray_ranks.close()
         # Close once: a second stop_all must not close whatever reused the numbers.
         for fd in (self._death_r, self._death_w):
             if fd >= 0:

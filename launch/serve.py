@@ -184,16 +184,25 @@ def startup_summary(config: ServeConfig, hf: dict[str, Any]) -> list[str]:
         layout += f", EP {p.expert_parallel_size}"
     if p.nnodes > 1:
         layout += f", over {p.nnodes} nodes"
-    if p.engines_span_nodes:
+    if p.engines_on_ray:
+        layout += ", every engine core a Ray actor (--data-parallel-backend ray)"
+    elif p.ranks_on_ray:
+        layout += ", the ranks Ray actors (--distributed-executor-backend ray)"
+    elif p.engines_span_nodes and len(p.local_engines):
         layout += f", engine cores {p.local_engines.start}-{p.local_engines.stop - 1} here"
+    elif p.engines_span_nodes:
+        layout += ", every engine core on another machine"
     lines.append(f"parallel: {layout}")
     kv_dtype = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else f"auto ({dtype})"
     tokens = max(config.num_blocks - 1, 0) * c.block_size  # the null block holds none
     size = _size(config.num_blocks * config.kv_block_bytes) if config.kv_block_bytes else ""
-    lines.append(
-        f"KV cache: {tokens:,} tokens per engine core ({config.num_blocks:,} blocks of "
-        f"{c.block_size}{', ' + size if size else ''}), dtype {kv_dtype}"
-    )
+    if len(p.local_engines):
+        lines.append(
+            f"KV cache: {tokens:,} tokens per engine core ({config.num_blocks:,} blocks of "
+            f"{c.block_size}{', ' + size if size else ''}), dtype {kv_dtype}"
+        )
+    else:  # measured by the engine nodes, each of which logs its own
+        lines.append(f"KV cache: as each engine node measured it (its log), dtype {kv_dtype}")
     lines.append(f"KV tiers and transfer: {_tiers(e.kv_transfer)}")
     prefix = f"on ({c.prefix_caching_hash_algo})" if c.enable_prefix_caching else "off"
     lines.append(
@@ -323,11 +332,12 @@ def _check_restart(config: ServeConfig, headless: bool) -> None:
     if config.retry_waiting_on_restart and not config.restart_on_failure:
         raise ConfigError("--retry-waiting-on-restart needs --restart-on-failure")
     if config.restart_on_failure and (
-        headless or parallel.nnodes > 1 or parallel.engines_span_nodes
+        headless or parallel.nnodes > 1 or parallel.engines_span_nodes or parallel.engines_on_ray
     ):
         raise ConfigError(
             "--restart-on-failure restarts the engine processes of a one-machine server; "
-            "it does not work with --nnodes > 1, --headless or engine cores on other machines"
+            "it does not work with --nnodes > 1, --headless or engine cores on other machines "
+            "(or Ray actors: --data-parallel-backend ray)"
         )
 
 
@@ -405,6 +415,12 @@ def run_server(args: argparse.Namespace) -> int:
     hf = load_hf_config(folder)
     engine.finalize(ModelArchConfig.from_hf_config(hf))
     check_model_files(engine, folder)
+    if parallel.engines_on_ray and not config.headless:
+        parallel.data_parallel_size_local = 0  # every engine core is a Ray actor's
+    if parallel.ranks_on_ray or (parallel.engines_on_ray and not config.headless):
+        from launch.ray_ranks import connect  # before the addresses and ports are chosen
+
+        connect(parallel)
     master_port_chosen = resolve_master_port(parallel)
     if engine.worker.worker_backend == "sim" and engine.worker.sim_speed != 1.0:
         os.environ.update(clock.set_sim_speed(engine.worker.sim_speed))  # children inherit it

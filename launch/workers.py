@@ -24,9 +24,13 @@ def resolve_master_port(parallel: ParallelConfig) -> bool:
     (or one rank needs none): data-parallel engine d's ranks meet at ``master_port + d``
     (all of them at ``master_port`` when they step together: ``dp_lockstep``).
     True if it picked them."""
-    if parallel.group_world_size == 1 or parallel.master_port is not None:
+    if parallel.master_port is not None:
+        return False
+    if parallel.group_world_size == 1 and not parallel.ranks_on_ray:
         return False
     groups = 1 if parallel.dp_lockstep else parallel.data_parallel_size
+    if parallel.ranks_on_ray:
+        groups = 4  # the store, then plans, results and control (cross_node_endpoints)
     for _ in range(100):
         with socket.socket() as s:
             s.bind((parallel.master_addr, 0))
@@ -52,7 +56,14 @@ def start_worker_ranks(
     group: ProcessGroup, config: ServeConfig, env: dict[str, str], dp_rank: int = 0
 ) -> list[Child]:
     """``python -m launch.child worker RANK DP_RANK`` for every rank of one engine core that
-    runs on this node."""
+    runs on this node (or, with ``--distributed-executor-backend ray``, a Ray actor for
+    every rank: ``launch/ray_ranks.py``)."""
+    if config.engine.parallel.ranks_on_ray:
+        from launch.ray_ranks import RayRanks
+
+        if group.ray_ranks is None:
+            group.ray_ranks = RayRanks()
+        return group.ray_ranks.start(group, config, env, dp_rank)
     payload = msgspec.json.encode(config)
     parallel = config.engine.parallel
     return [
@@ -68,10 +79,11 @@ def start_worker_ranks(
 
 
 def cross_node_endpoints(endpoints: Endpoints, parallel: ParallelConfig) -> None:
-    """With ``--nnodes`` > 1, the sockets that worker ranks on other machines reach become
-    TCP on node 0's ``--master-addr`` (bound there, never on every interface), at the ports
-    after ``--master-port``, so every node derives them from the same flags."""
-    if parallel.nnodes == 1:
+    """With ``--nnodes`` > 1 (or ranks on Ray, which may place them on any node), the
+    sockets that worker ranks on other machines reach become TCP on node 0's
+    ``--master-addr`` (bound there, never on every interface), at the ports after
+    ``--master-port``, so every node derives them from the same flags."""
+    if parallel.nnodes == 1 and not parallel.ranks_on_ray:
         return
     assert parallel.master_port is not None
     base = f"tcp://{parallel.master_addr}"

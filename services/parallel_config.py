@@ -99,12 +99,38 @@ class ParallelConfig:
     master_port: int | None = field(
         default=None, metadata=flag("port of that store (default: a free one)")
     )
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata=flag(
+            "how an engine core's worker ranks start: mp (processes on this machine; "
+            "--nnodes with --headless nodes) or ray (actors placed on a Ray cluster: "
+            "launch/ray_ranks.py)",
+            choices=("mp", "ray"),
+        ),
+    )
+    data_parallel_backend: str = field(
+        default="mp",
+        metadata=flag(
+            "how data-parallel engine cores start: mp (on this machine, and --headless "
+            "engine nodes) or ray (each an actor on a Ray cluster, running an engine node)",
+            choices=("mp", "ray"),
+            aliases=("-dpb",),
+        ),
+    )
     distributed_timeout: float = field(
         default=120.0,
         metadata=flag(
             "seconds the ranks wait for each other, to form the group or in a collective"
         ),
     )
+
+    @property
+    def ranks_on_ray(self) -> bool:
+        return self.distributed_executor_backend == "ray"
+
+    @property
+    def engines_on_ray(self) -> bool:
+        return self.data_parallel_backend == "ray"
 
     @property
     def world_size(self) -> int:
@@ -215,13 +241,30 @@ class ParallelConfig:
         if self.master_port is not None:
             # engine d's ranks meet at master_port + d; across nodes plans, results and
             # control use the three ports after it
-            after = 3 if self.nnodes > 1 else 0 if self.dp_lockstep else self.data_parallel_size - 1
+            after = (
+                3
+                if self.nnodes > 1 or self.ranks_on_ray
+                else 0
+                if self.dp_lockstep
+                else self.data_parallel_size - 1
+            )
             if not 1 <= self.master_port <= 65535 - after:
                 used = f": the {after} after it are used too" if after else ""
                 raise ConfigError(
                     f"--master-port must be a port number (1-{65535 - after}{used}), "
                     f"got {self.master_port}"
                 )
+        if self.ranks_on_ray and (self.nnodes > 1 or self.data_parallel_size > 1):
+            raise ConfigError(
+                "--distributed-executor-backend ray places one engine core's ranks on the "
+                "Ray cluster itself: no --nnodes, and no --data-parallel-size > 1"
+            )
+        if self.engines_on_ray and (self.ranks_on_ray or self.nnodes > 1):
+            raise ConfigError(
+                "--data-parallel-backend ray runs each engine core (its scheduler and ranks) "
+                "in one Ray actor on one node: not with --distributed-executor-backend ray "
+                "or --nnodes"
+            )
         if not 0 < self.data_parallel_rpc_port < 65535:
             raise ConfigError(
                 f"--data-parallel-rpc-port must be a port number, got {self.data_parallel_rpc_port}"

@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -162,3 +163,15 @@ class FakeReplica:
             return await generate(req, chat=True)
 
         return app
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """Poll ``check`` until it returns something true; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -355,6 +355,9 @@ def static_problems(argv: list[str]) -> list[str]:
     elif head == "bash":
         if not (REPO / argv[1]).is_file():
             problems.append(f"no file {argv[1]}")
+    elif head.startswith(".venv/bin/"):  # another installed tool (the ray CLI)
+        if not (REPO / head).is_file():
+            problems.append(f"{head} does not exist (make install)")
     elif head != "curl":
         problems.append(
             f"unknown command {head!r}: README commands start with make, .venv/bin/..., bash "

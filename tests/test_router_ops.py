@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from fastapi.responses import JSONResponse
 from launch.ports import check_port
 from services.flags import ConfigError
 from services.logging_utils import PrefixedFormatter
-from tests.router_fakes import FakeReplica, free_port
+from tests.router_fakes import FakeReplica, free_port, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 # The servers' line (services/logging_utils.py): ``INFO 11-29 17:02:03 [file.py:42] message``.
@@ -39,18 +38,6 @@ LINE = re.compile(
     r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.\-]+:\d+\] "
 )
 ACCESS = re.compile(r"POST /v1/completions 200 id=\S+ .*latency=\d+\.\d{3}s")
-
-
-def wait_for(what: str, check: Callable[[], object], timeout_s: float = 30.0) -> object:
-    """Poll ``check`` until it returns something true; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 class Proc:

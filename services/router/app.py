@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 from services.http.errors import add_error_handlers, error_response
 from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
+from services.router.discovery import discovering
 from services.router.policies import POLICIES
 from services.router.process import GenerateRoutes, add_ops, serve, use_uvicorn_logging
 from services.router.replicas import check_url, normalize_url
@@ -59,7 +60,8 @@ def build_app(config: RouterConfig) -> FastAPI:
                     why = "; ".join(f"{u}: {w}" for u, w in router.refused.items())
                     log.error("refusing to start: %s", why)
                     raise RuntimeError(why)
-                yield
+                async with discovering(config.discovery, router, config.role):
+                    yield
             finally:
                 await router.replicas.close()
                 await router.follower.close()
@@ -154,4 +156,7 @@ def run_router(config: RouterConfig) -> int:
     configure_process_logging()
     app = build_app(config)
     n = len(config.backends)
-    return serve(app, config, "router", f"policy {config.policy}, {n} backend{'s' * (n != 1)}")
+    details = f"policy {config.policy}, {n} backend{'s' * (n != 1)}"
+    if config.discovery is not None:
+        details += f", discovering {config.discovery.describe()}"
+    return serve(app, config, "router", details)

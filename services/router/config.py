@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.router.discovery import DiscoveryConfig
 from services.router.kv_events import Publisher
 
 # Paths without an access line by default: the probes balancers and routers send every
@@ -36,3 +37,5 @@ class RouterConfig:
     seed: int | None = None
     # Replicas that do not report their KV event sockets (vLLM's): URL -> where they publish.
     kv_events: dict[str, Publisher] = field(default_factory=dict)
+    # Replicas found in Kubernetes (--service-discovery; services/router/discovery.py).
+    discovery: DiscoveryConfig | None = None

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse
 from services.http.errors import add_error_handlers, error_response
 from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
+from services.router.discovery import discovering
 from services.router.forward import parse_object
 from services.router.process import GenerateRoutes, add_ops, serve, use_uvicorn_logging
 from services.router.router import Router
@@ -112,7 +113,11 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
                 for router, config in zip(sides, (prefill, decode), strict=True):
                     for url in config.backends:
                         await router.add_replica(url)
-                yield
+                async with (
+                    discovering(prefill.discovery, proxy.prefill, "prefill"),
+                    discovering(decode.discovery, proxy.decode, "decode"),
+                ):
+                    yield
             finally:
                 for router in sides:
                     await router.replicas.close()
@@ -148,4 +153,7 @@ def run_pd_proxy(prefill: RouterConfig, decode: RouterConfig) -> int:
     app = build_pd_app(prefill, decode)
     details = (f"prefill: {len(prefill.backends)} ({prefill.policy}), "
                f"decode: {len(decode.backends)} ({decode.policy})")  # fmt: skip
+    for side, config in (("prefill", prefill), ("decode", decode)):
+        if config.discovery is not None:
+            details += f", discovering {side} {config.discovery.describe()}"
     return serve(app, decode, "PD proxy", details)

@@ -177,8 +177,8 @@ class Router:
                 return
             publishers = [
                 Publisher(
-                    p["endpoint"],
-                    p.get("replay_endpoint") or "",
+                    reachable(p["endpoint"], replica.url),
+                    reachable(p.get("replay_endpoint") or "", replica.url),
                     p.get("topic") or "",
                     int(p.get("data_parallel_rank") or 0),
                 )  # fmt: skip
@@ -357,3 +357,15 @@ class Router:
             self.metrics.healthy.labels(r.url).set(1 if r.healthy else 0)
             if r.prefill_s_per_token is not None:
                 self.metrics.prefill_s_per_token.labels(r.url).set(r.prefill_s_per_token)
+
+
+def reachable(endpoint: str, replica_url: str) -> str:
+    """A KV event endpoint as the replica reports it, made one the router can connect to: a
+    replica bound to every interface (``tcp://*:5556``, ``0.0.0.0``, ``::``; a pod's, as
+    llm-d starts vLLM) is reached at its own URL's host."""
+    scheme, sep, rest = endpoint.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or host not in ("*", "0.0.0.0", "[::]", "::"):
+        return endpoint
+    host = httpx.URL(replica_url).host
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
