@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from launch.serve import check_model_files
 from services import clock
 from services.api_server.choices import ChoiceState, fan_out
@@ -35,6 +37,7 @@ from services.protocol import (
     DecodedLogprob,
     FinishRequest,
     GenerateRequest,
+    PoolingParams,
     RequestError,
     RequestTokens,
     SamplingParams,
@@ -68,6 +71,20 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's vector, as vLLM's: ``result.outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput = field(default_factory=EmbeddingOutput)
 
 
 @dataclass
@@ -204,6 +221,64 @@ class LLM:
                 result.prompt_logprobs = _prompt_logprobs(choice.state)
         return results
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (text or token ids), in order (vLLM's ``LLM.embed``): each
+        a prefill-only request through the same engine steps as ``generate``'s, pooled as
+        ``--pooler-config`` (``pooler_config=``) says, or as ``pooling_params`` override it.
+        Needs ``runner="pooling"``, as vLLM's does."""
+        if self.config.model.resolved_runner != "pooling":
+            raise ValueError(
+                "LLM.embed() is only supported for pooling models. Try passing "
+                "`runner='pooling'` (`--runner pooling`) to use the model as a pooling model."
+            )
+        batch: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
+        if pooling_params is None:
+            pooler = self.config.model.pooler
+            pooling_params = PoolingParams(pooler.pooling_type, pooler.normalize, pooler.dimensions)
+        if (
+            dims := pooling_params.dimensions
+        ) is not None and not 0 < dims <= self.arch.hidden_size:
+            raise ValueError(f"dimensions must be in [1, {self.arch.hidden_size}], got {dims}")
+        results: dict[str, EmbeddingRequestOutput] = {}
+        progress = _Progress(len(batch), use_tqdm)
+        try:
+            for prompt in batch:
+                req_id = f"embed-{next(self._ids)}"
+                text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+                out = self.processor.process(GenerateRequest(
+                    req_id, SamplingParams(max_tokens=1), prompt=text, prompt_token_ids=ids,
+                    pooling=pooling_params))  # fmt: skip
+                if isinstance(out, RequestError):
+                    raise ValueError(out.message)
+                self.core.add_request(out[0])
+                results[req_id] = EmbeddingRequestOutput(req_id, out[0].prompt_token_ids)
+            live = set(results)
+            while live:
+                for item in self.step():
+                    if item.req_id in live and item.finish_reason is not None:
+                        if item.finish_reason != "stop":
+                            raise RuntimeError(f"embedding {item.req_id} failed: {item.error}")
+                        vector = np.frombuffer(item.pooled, dtype="<f4").tolist()
+                        results[item.req_id].outputs.embedding = vector
+                        live.discard(item.req_id)
+                        progress.prompt_done(len(results[item.req_id].prompt_token_ids), 0)
+        except BaseException:
+            self.core.abort_requests(list(results))
+            raise
+        finally:
+            progress.close()
+        return list(results.values())
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -329,11 +404,17 @@ class _Progress:
         )
 
     def choice_done(self, choice: _Choice, prompt_done: bool) -> None:
+        self.prompt_done(len(choice.result.prompt_token_ids), len(choice.state.token_ids),
+                         counted=prompt_done)  # fmt: skip
+
+    def prompt_done(self, input_tokens: int, output_tokens: int, counted: bool = True) -> None:
+        """A request's tokens in the estimate; the bar moves on when ``counted`` (its
+        prompt's last choice)."""
         if self.bar is None:
             return
-        self.input_tokens += len(choice.result.prompt_token_ids)
-        self.output_tokens += len(choice.state.token_ids)
-        if not prompt_done:
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
+        if not counted:
             return
         elapsed = max(self.bar.format_dict.get("elapsed", 0.0), 1e-9)
         self.bar.postfix = (

@@ -132,6 +132,19 @@ def test_errors(server, path, body, param):
         assert "does not support" in error["message"]
 
 
+def test_messages_on_a_pooling_server_is_an_anthropic_error(server):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400
+    assert r.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "The model does not support Messages API",
+        },
+    }
+
+
 def test_truncate_prompt_tokens(client, hf_base, long_prompt):  # noqa: F811
     out = client.embeddings.create(
         model=MODEL, input=long_prompt, extra_body={"truncate_prompt_tokens": 20}

@@ -124,6 +124,27 @@ def test_batch_matches_hf(engine, hf_base, greedy_prompts, kind, normalize):
     assert engine.scheduler.kv_cache_manager.block_pool.get_usage() == 0.0  # all freed
 
 
+def test_offline_embed_matches_hf(engine, hf_base, greedy_prompts):
+    """``LLM.embed`` (vLLM's offline call): ``--pooler-config``'s pooling by default, a
+    request's ``PoolingParams`` over it; text prompts tokenized as the server's."""
+    llm = LLM(runner="pooling", max_model_len=1024, num_gpu_blocks_override=256,
+              pooler_config='{"pooling_type": "MEAN"}')  # fmt: skip
+    outs = llm.embed(greedy_prompts, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == greedy_prompts
+    for prompt, out in zip(greedy_prompts, outs, strict=True):
+        want = hf_vector(hf_base, prompt, MEAN)
+        np.testing.assert_allclose(out.outputs.embedding, want, atol=ATOL, rtol=1e-3)
+    (text,) = llm.embed("The capital of France is", PoolingParams("LAST", dimensions=16),
+                        use_tqdm=False)  # fmt: skip
+    ids = llm.tokenizer.encode("The capital of France is")
+    assert text.prompt_token_ids == ids
+    want = hf_vector(hf_base, ids, PoolingParams("LAST", dimensions=16))
+    np.testing.assert_allclose(text.outputs.embedding, want, atol=ATOL, rtol=1e-3)
+    assert llm.scheduler.kv_cache_manager.block_pool.get_usage() == 0.0
+    with pytest.raises(ValueError, match="only supported for pooling models"):
+        engine.embed([[1, 2, 3]])  # a generate runner, as vLLM's
+
+
 @pytest.mark.parametrize("params", [LAST, MEAN], ids=["last", "mean"])
 def test_chunked_prefill_matches_hf(chunked_engine, hf_base, long_prompt, params):
     assert len(long_prompt) > 3 * 48  # several steps

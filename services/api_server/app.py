@@ -49,6 +49,7 @@ from services.api_server.serving_messages import (
     MessagesRequest,
     MessagesServing,
 )
+from services.api_server.serving_messages import error_response as anthropic_error
 from services.api_server.serving_responses import ResponsesServing
 from services.api_server.serving_tokenize import TokenizeServing
 from services.http.errors import add_error_handlers
@@ -115,7 +116,8 @@ def build_app(frontend: EngineFrontend, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/messages")
     async def create_message(request: Request) -> Response:
-        generation_only("Messages")
+        if settings.runner == "pooling":  # Anthropic's error shape on Anthropic's route
+            return anthropic_error(400, "The model does not support Messages API")
         return await messages.create_message(request, lambda: read_body(request))
 
     @app.post("/v1/messages/count_tokens")
