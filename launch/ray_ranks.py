@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from launch.process import Child, ProcessGroup
+from launch.workers import worker_name
 from services.config import ConfigError, ParallelConfig, ServeConfig
 from services.ipc import STOP_SIGNAL
 from services.logging_utils import init_logger
@@ -240,8 +241,7 @@ class RayRanks:
             ).remote()
             pid = ray.get(actor.pid.remote(), timeout=PLACEMENT_TIMEOUT_S)
             run = actor.run.remote(payload, env["ACTORSERVE_CONTROL"], rank, dp_rank)
-            name = f"worker rank {rank}" if parallel.data_parallel_size == 1 else (
-                f"engine {dp_rank} worker rank {rank}")  # fmt: skip
+            name = worker_name(rank, dp_rank, parallel.data_parallel_size)
             child = Child(name, RayActorProcess(ray, actor, run, pid))  # type: ignore[arg-type]
             group.children.append(child)
             children.append(child)

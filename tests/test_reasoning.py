@@ -116,9 +116,9 @@ def manager(tok, **config) -> StructuredOutputManager:
     )
 
 
-def constrained(tok, mgr, reasoning: ReasoningParams | None) -> Request:
+def constrained(tok, mgr, reasoning: ReasoningParams | None, schema=SCHEMA) -> Request:
     params = SamplingParams(
-        structured_outputs=StructuredOutputsParams(json=json.dumps(SCHEMA)), reasoning=reasoning
+        structured_outputs=StructuredOutputsParams(json=json.dumps(schema)), reasoning=reasoning
     )
     request = Request("r", [1, 2, 3], params, eos_token_id=tok.eos_token_id)
     assert mgr.add(request)
@@ -165,17 +165,29 @@ def test_thinking_is_free_and_the_answer_follows_the_grammar(tok):
 
 
 def test_text_after_the_marker_in_its_token_goes_to_the_grammar(tok):
+    """``</think`` then the token ``>"``: the marker closes and ``"`` is the answer's first
+    character, fed to the grammar. A JSON string takes it (the next rows are the grammar's
+    after ``"``); a JSON object refuses it, which is why, while thinking, such a token is
+    not allowed after a held ``</think``."""
+    closing_quote = tok.tokenizer.token_to_id('>"')
+    thinking = tok.tokenizer.encode("ok</think", add_special_tokens=False).ids
+    (quote,) = tok.tokenizer.encode('"', add_special_tokens=False).ids
+    string = {"type": "string", "maxLength": 5}
     mgr = manager(tok)
-    request = constrained(tok, mgr, THINKING)
-    matcher = request.grammar
-    # a token that closes the marker and starts the answer: whitespace is dropped, the
-    # rest is the grammar's ("</" "think" ">\n\n{" is not in this vocabulary: feed text)
-    for token_id in tok.tokenizer.encode("ok</think", add_special_tokens=False).ids:
-        assert matcher.accept(token_id)
-    _, answer = matcher.splitter.feed(">\n\n{")
-    assert answer == "{"
-    assert all(matcher.inner.accept(t) for t in matcher.texts.encode(answer))
-    assert not allowed(row(mgr, request), tok.tokenizer.token_to_id("{"))  # inside the object
+    held = constrained(tok, mgr, THINKING, string)
+    plain = constrained(tok, mgr, None, string)
+    for token_id in thinking:
+        assert mgr.accept(held, token_id)
+    assert not allowed(row(mgr, held), closing_quote)  # the mask keeps it out
+    assert mgr.accept(held, closing_quote)  # (were it sampled) the grammar takes the '"'
+    assert held.grammar.phase == "answer"
+    assert mgr.accept(plain, quote)
+    assert (row(mgr, held) == row(mgr, plain)).all()
+
+    refused = constrained(tok, mgr, THINKING)  # an object: '"' cannot start it
+    for token_id in thinking:
+        assert mgr.accept(refused, token_id)
+    assert not mgr.accept(refused, closing_quote)
 
 
 def test_a_model_that_does_not_open_its_thinking_answers_under_the_grammar(tok):

@@ -424,8 +424,10 @@ class ModelRunner(WorkerBackend):
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
         if (scheduled < 1).any() or (computed + scheduled > known).any():
             raise ValueError(f"step {plan.step_id}: scheduled tokens past a request's known tokens")
-        pooling = np.array([r in self.pooler for r in req_ids], dtype=bool)
-        sampling = np.flatnonzero((computed + scheduled == known) & ~pooling)  # pooled: no token
+        at_end = computed + scheduled == known
+        if self.pooler:  # embedding requests in the step: pooled, no token sampled
+            at_end &= ~np.array([r in self.pooler for r in req_ids], dtype=bool)
+        sampling = np.flatnonzero(at_end)
         measure, self._measure_kv_scales = self._measure_kv_scales, False
         graph_size = None if measure else self._graph_size(scheduled)
         inputs = self.buffers.prepare(
