@@ -130,6 +130,9 @@ class FakeReplica:
             if self.fail_status is not None:
                 return JSONResponse({"error": {"message": "down"}}, status_code=self.fail_status)
             words = [f" {self.name}{i}" for i in range(int(body.get("max_tokens") or 4))]
+            prompt_tokens = len(str(body.get("prompt") or body.get("messages")).split())
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
+                     "total_tokens": prompt_tokens + len(words)}  # fmt: skip
             if not body.get("stream"):
                 text = "".join(words)
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text},
@@ -137,7 +140,8 @@ class FakeReplica:
                           {"index": 0, "text": text, "finish_reason": "length"})  # fmt: skip
                 obj = "chat.completion" if chat else "text_completion"
                 return JSONResponse({"id": "x", "object": obj, "created": 0, "model": "fake",
-                                     "choices": [choice]}, headers=self.reply_headers)  # fmt: skip
+                                     "choices": [choice], "usage": usage},
+                                    headers=self.reply_headers)  # fmt: skip
 
             async def events():  # noqa: ANN202
                 for i, w in enumerate(words):
@@ -150,6 +154,10 @@ class FakeReplica:
                     chunk = {"id": "x", "object": obj, "created": 0, "model": "fake",
                              "choices": [choice]}  # fmt: skip
                     yield f"data: {json.dumps(chunk)}\n\n"
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    last = {"id": "x", "object": obj, "created": 0, "model": "fake",
+                            "choices": [], "usage": usage}  # fmt: skip
+                    yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -54,7 +54,7 @@ def test_the_prompt_cache_gives_the_whole_prompts_tokens_and_hashes(info, segmen
     segments, salts: always the whole prompt's count and hashes."""
     rng = random.Random(segment_chars)
     cache = PrefixTokenCache(info, capacity_tokens=20_000, segment_chars=segment_chars)
-    assert cache.segmenting
+    assert cache.segmenting and cache.fast is not None  # (later segments through tiktoken)
     hashers = [BlockHasher(16, "sha256"), BlockHasher(5, "sha256_cbor")]
     for text in _prompts(rng, 150):
         add_special, salt = rng.random() < 0.7, rng.choice([None, "tenant-1"])
@@ -108,12 +108,17 @@ def test_a_tokenizer_whose_segments_differ_gets_whole_prompts(info) -> None:  # 
 
     drifts = Drifts()
     cache = PrefixTokenCache(drifts)  # type: ignore[arg-type]
-    assert cache.segmenting
+    assert cache.segmenting and cache.fast is not None
     drifts.drift = True
-    plan = cache.plan(text, True)
-    assert plan.check  # the first prompt of several segments is checked
-    n, _ = cache.commit(plan, cache.tokenize(plan), None, None)
-    assert n == len(drifts.encode(text)) and not cache.segmenting and len(cache) == 0
+    # The first check that differs turns tiktoken off (segments stay), the next segments.
+    for fast_after, segmenting_after in ((False, True), (False, False)):
+        plan = cache.plan(text, True)
+        while not plan.check:  # (every CHECK_EVERY-th prompt is checked)
+            cache.commit(plan, cache.tokenize(plan), None, None)
+            plan = cache.plan(text, True)
+        n, _ = cache.commit(plan, cache.tokenize(plan), None, None)
+        assert n == len(drifts.encode(text)) and len(cache) == 0
+        assert (cache.fast is not None, cache.segmenting) == (fast_after, segmenting_after)
 
 
 # ---- the pool to the replicas

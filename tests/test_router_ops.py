@@ -232,6 +232,17 @@ def test_router_logs_where_it_listens_backend_changes_and_requests(procs, replic
     r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
     assert r.status_code == 200, r.text
     proc.wait_log(ACCESS.pattern)
+    proc.wait_log(r"POST /v1/completions 200 id=x prompt_tokens=1 completion_tokens=3 latency=")
+    # A relayed stream's line (the answer keeps what it says: no middleware wraps its send)
+    # and a request that fails in the router (a body that is not JSON: passed on, the fake
+    # replica's 500 is the answer) have theirs too.
+    body = {"prompt": "one two", "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as s:
+        assert s.status_code == 200 and "[DONE]" in "".join(s.iter_text())
+    proc.wait_log(r"POST /v1/completions 200 id=x prompt_tokens=2 completion_tokens=5 latency=")
+    r = httpx.post(url + "/v1/chat/completions", content=b"{", timeout=30)
+    proc.wait_log(rf"POST /v1/chat/completions {r.status_code} latency=")
     assert (
         "GET /health 200" not in proc.log
     )  # probes have none (--disable-access-log-for-endpoints)

@@ -117,48 +117,65 @@ class AccessLogMiddleware:
         if scope["type"] != "http" or scope["path"] in self.skip:
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
-        status: int | None = None
-        header_id: bytes | None = None
-        head = tail = b""
-        ended = False
+        record = AccessRecord(scope)
+        try:
+            await self.app(scope, receive, record.wrap(send))
+        finally:
+            record.log()
 
+
+class AccessRecord:
+    """What one request's access line says (``AccessLogMiddleware``): filled by the
+    messages through ``wrap(send)``, or set by a response that keeps them itself
+    (``status``, ``head``: its body's first bytes, ``tail``: its last, ``ended``)."""
+
+    __slots__ = ("scope", "started", "status", "header_id", "head", "tail", "ended")
+
+    def __init__(self, scope: dict[str, Any]) -> None:
+        self.scope = scope
+        self.started = time.perf_counter()
+        self.status: int | None = None
+        self.header_id: bytes | None = None
+        self.head = self.tail = b""
+        self.ended = False
+
+    def wrap(self, send: Any) -> Any:
         async def send_logged(message: dict[str, Any]) -> None:
-            nonlocal status, header_id, head, tail, ended
             if message["type"] == "http.response.start":
-                status = message["status"]
-                header_id = next((v for k, v in message.get("headers", [])
-                                  if k.lower() == b"x-request-id"), None)  # fmt: skip
+                self.status = message["status"]
+                self.header_id = next((v for k, v in message.get("headers", [])
+                                       if k.lower() == b"x-request-id"), None)  # fmt: skip
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
-                if len(head) < _HEAD_BYTES:
-                    head += body[: _HEAD_BYTES - len(head)]
-                tail = (tail + body)[-_TAIL_BYTES:]
+                if len(self.head) < _HEAD_BYTES:
+                    self.head += body[: _HEAD_BYTES - len(self.head)]
+                self.tail = (self.tail + body)[-_TAIL_BYTES:]
             await send(message)
             if message["type"] == "http.response.body":
-                ended = not message.get("more_body", False)  # and sent
+                self.ended = not message.get("more_body", False)  # and sent
 
-        try:
-            await self.app(scope, receive, send_logged)
-        finally:
-            latency = time.perf_counter() - started
-            fields = [f"{scope['method']} {scope['path']}", str(status or "-")]
-            found = _ID.match(head)
-            request_id = found.group(1) if found else header_id
-            if request_id:
-                fields.append(f"id={request_id.decode('latin-1')}")
-            for name, pattern in (("prompt_tokens", _PROMPT_TOKENS),
-                                  ("completion_tokens", _COMPLETION_TOKENS)):  # fmt: skip
-                matches = pattern.findall(tail)
-                if matches:
-                    fields.append(f"{name}={int(matches[-1])}")
-            fields.append(f"latency={latency:.3f}s")
-            client = scope.get("client")
-            if client:
-                fields.append(f"client={client[0]}:{client[1]}")
-            if not ended:
-                fields.append("incomplete")
-            access_logger.info(" ".join(fields))
+        return send_logged
+
+    def log(self) -> None:
+        scope = self.scope
+        latency = time.perf_counter() - self.started
+        fields = [f"{scope['method']} {scope['path']}", str(self.status or "-")]
+        found = _ID.match(self.head)
+        request_id = found.group(1) if found else self.header_id
+        if request_id:
+            fields.append(f"id={request_id.decode('latin-1')}")
+        for name, pattern in (("prompt_tokens", _PROMPT_TOKENS),
+                              ("completion_tokens", _COMPLETION_TOKENS)):  # fmt: skip
+            matches = pattern.findall(self.tail[-_TAIL_BYTES:])
+            if matches:
+                fields.append(f"{name}={int(matches[-1])}")
+        fields.append(f"latency={latency:.3f}s")
+        client = scope.get("client")
+        if client:
+            fields.append(f"client={client[0]}:{client[1]}")
+        if not self.ended:
+            fields.append("incomplete")
+        access_logger.info(" ".join(fields))
 
 
 class Drain:

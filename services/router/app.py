@@ -33,7 +33,7 @@ from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
 from services.router.discovery import discovering
 from services.router.policies import POLICIES
-from services.router.process import GenerateRoutes, add_ops, serve, use_uvicorn_logging
+from services.router.process import RouterApp, add_ops, serve, use_uvicorn_logging
 from services.router.replicas import check_url, normalize_url
 from services.router.router import Router
 
@@ -66,11 +66,9 @@ def build_app(config: RouterConfig) -> FastAPI:
                 await router.replicas.close()
                 await router.follower.close()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = RouterApp(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
-    # (innermost: inside the drain and the access log)
-    app.add_middleware(GenerateRoutes, generate=lambda r, p: state["router"].generate(r, p))  # type: ignore[arg-type]
-    add_ops(app, config, "router")
+    add_ops(app, config, "router", lambda r, p: state["router"].generate(r, p))
 
     def admin_denied(request: Request) -> Response | None:
         if config.api_key is None:

@@ -20,6 +20,7 @@ import httpx
 from fastapi import Request, Response
 
 from services.http.errors import sse_error
+from services.http.middleware import AccessRecord
 from services.http.streaming import RelayResponse
 from services.router.load_guard import LoadGuard
 from services.router.metrics import RouterMetrics
@@ -116,9 +117,9 @@ class RelayedAnswer(Response):
     (``body_iterator``, as the PD proxy reads the prefill's), its end or ``background``.
 
     Sent, the body is pushed: each piece goes from the replica's connection
-    (``UpstreamResponse.sink``) straight into ``send`` (the ASGI chain: the access log,
-    uvicorn's socket write), which returns without suspending unless the client's socket
-    is full. Then the suspended send is finished in this response's task, what came
+    (``UpstreamResponse.sink``) straight into ``send`` (uvicorn's socket write, no
+    middleware between: ``GenerateRoutes``; the access line comes from ``fill``), which
+    returns without suspending unless the client's socket is full. Then the suspended send is finished in this response's task, what came
     meanwhile is sent from the buffer, and pushing resumes. Not Starlette's
     ``StreamingResponse``: that would wake this task and pass two generators for each of a
     stream's ~130 events, and open an anyio task group per answer (``RelayResponse`` in
@@ -134,6 +135,8 @@ class RelayedAnswer(Response):
         self._forward, self._resp, self._first, self._load = forward, resp, first, load
         self._sse = resp.content_type.startswith(b"text/event-stream")
         self._last = first or b"\n\n"  # the last bytes sent (SSE chunks end with their events)
+        self._prev = b""  # those before them (the access line's usage: ``fill``)
+        self._ended = False  # the body's end sent
         self._send: Any = None
         self._suspended: tuple[Coroutine[Any, Any, None], Any] | None = None
         self._push_error: BaseException | None = None
@@ -156,9 +159,17 @@ class RelayedAnswer(Response):
                 if (event := self._failed(e)) is not None:
                     await send(_body(event))
             await send(_body(b"", more=False))
+            self._ended = True
         finally:
             watch.cancel()
             self.close()
+
+    def fill(self, record: AccessRecord) -> None:
+        """What this answer's access line says (``GenerateRoutes``; no ``send`` wrapped)."""
+        record.status = self.status_code
+        record.head = self._first[:512]
+        record.tail = self._prev + self._last if self._first else b""
+        record.ended = self._ended
 
     async def _relay(self, send: Any) -> None:
         """The body after the first bytes: pushed while the client keeps up."""
@@ -166,7 +177,7 @@ class RelayedAnswer(Response):
         self._send = send
         while True:
             if data := resp.take():
-                self._last = data
+                self._prev, self._last = self._last, data
                 await send(_body(data))
                 continue
             if resp.ended:
@@ -190,7 +201,7 @@ class RelayedAnswer(Response):
     def _push(self, data: bytes) -> bool:
         """One piece from the replica, sent now; False when the send had to wait (or
         failed): this response's task takes over."""
-        self._last = data
+        self._prev, self._last = self._last, data
         coro = self._send(_body(data))
         try:
             fut = coro.send(None)
@@ -217,7 +228,7 @@ class RelayedAnswer(Response):
                 if self._first:
                     yield self._first
                     while chunk := await self._resp.receive():
-                        self._last = chunk
+                        self._prev, self._last = self._last, chunk
                         yield chunk
                 self._check_end()
             except (httpx.TransportError, httpx.StreamError) as e:

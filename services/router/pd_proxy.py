@@ -35,7 +35,7 @@ from services.logging_utils import configure_process_logging
 from services.router.config import RouterConfig
 from services.router.discovery import discovering
 from services.router.forward import parse_object
-from services.router.process import GenerateRoutes, add_ops, serve, use_uvicorn_logging
+from services.router.process import RouterApp, add_ops, serve, use_uvicorn_logging
 from services.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -123,10 +123,9 @@ def build_pd_app(prefill: RouterConfig, decode: RouterConfig) -> FastAPI:
                     await router.replicas.close()
                     await router.follower.close()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = RouterApp(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
-    app.add_middleware(GenerateRoutes, generate=lambda r, p: state["proxy"].generate(r, p))  # type: ignore[arg-type]
-    add_ops(app, decode, "PD proxy")
+    add_ops(app, decode, "PD proxy", lambda r, p: state["proxy"].generate(r, p))
 
     @app.get("/health")
     async def health() -> Response:

@@ -38,6 +38,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import (
     POLICIES,
     BurstPolicy,
+    CombinedIndex,
     CostPolicy,
     Decision,
     Policy,
@@ -75,7 +76,12 @@ class Router:
         self.policy: Policy = policy_cls(view, random.Random(self.config.seed))
         if isinstance(self.policy, BurstPolicy):
             self.policy.window_s = self.config.burst_window_ms / 1000
+        # The router's own record of what it sent where (``prefix_approx``), kept where the
+        # policy's view reads it: for every replica, or (combined) those without KV events.
+        self._record_all = view is self.index
+        self._record_unfollowed = isinstance(view, CombinedIndex)
         self.follower = EventFollower(self.precise, on_batch=self._on_events)
+        self._batch_counters: dict[str, Any] = {}  # replica -> its batches' counter
         self.refused: dict[str, str] = {}  # replica -> why it is kept out
         self._publishers: dict[str, list[Publisher]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -189,8 +195,12 @@ class Router:
             await self.follower.follow(replica.url, publishers)
 
     def _on_events(self, sub: Subscription, batch: DecodedBatch) -> None:
-        self.metrics.event_lag.labels(sub.replica).set(sub.stats.last_lag_s)
-        self.metrics.event_batches.labels(sub.replica).inc()
+        """After each batch (the lag gauge is set when /metrics is read)."""
+        counter = self._batch_counters.get(sub.replica)
+        if counter is None:
+            counter = self.metrics.event_batches.labels(sub.replica)
+            self._batch_counters[sub.replica] = counter
+        counter.inc()
 
     def event_stats(self, url: str) -> dict[str, Any]:
         subs = self.follower.subscriptions(url)
@@ -235,7 +245,8 @@ class Router:
         r = d.replica
         uncached = max(req.prompt_tokens - d.cached_blocks * req.block_size, 0)
         load = LoadGuard(r, req, self.policy, uncached)
-        if req.hashes:
+        if req.hashes and (self._record_all or (self._record_unfollowed
+                                                and not self.precise.has(r.url))):  # fmt: skip
             self.index.record(r.url, req.hashes)
         url = r.url
         self.metrics.decisions.labels(self.policy.name, url).inc()
@@ -350,9 +361,13 @@ class Router:
             followed = self.precise.has(r.url)
             size = self.precise.size(r.url) if followed else self.index.size(r.url)
             self.metrics.index_blocks.labels(r.url).set(size)
-            for sub in self.follower.subscriptions(r.url):
+            subs = self.follower.subscriptions(r.url)
+            for sub in subs:
                 for reason, n in sub.stats.resyncs.items():
                     self.metrics.resyncs.labels(r.url, reason).set(n)
+            if subs:
+                lag = max(sub.stats.last_lag_s for sub in subs)
+                self.metrics.event_lag.labels(r.url).set(lag)
             self.metrics.in_flight.labels(r.url).set(r.in_flight)
             self.metrics.healthy.labels(r.url).set(1 if r.healthy else 0)
             if r.prefill_s_per_token is not None:
