@@ -213,6 +213,9 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+    p.add_argument("--timeout-keep-alive", type=int, default=75, metavar="SECONDS",
+                   help="how long an idle client connection stays open (default: 75, longer "
+                   "than clients keep theirs: a shorter one races their next request)")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log line per request (vLLM's flag)")  # fmt: skip
     p.add_argument("--disable-access-log-for-endpoints", default=QUIET_ENDPOINTS,
@@ -244,6 +247,8 @@ def _run_router(args: argparse.Namespace) -> int:
         raise ConfigError("--health-check-interval and --load-interval-ms must be positive")
     if not args.shutdown_timeout >= 0:
         raise ConfigError("--shutdown-timeout must be at least 0")
+    if args.timeout_keep_alive < 1:
+        raise ConfigError("--timeout-keep-alive must be at least 1")
     check_port(args.host, args.port)
     from services.router.kv_events import Publisher
     from services.router.replicas import normalize_url
@@ -277,6 +282,7 @@ def _run_router(args: argparse.Namespace) -> int:
         seed=args.seed,
         kv_events=kv_events,
         shutdown_timeout=args.shutdown_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
         access_log=not args.disable_uvicorn_access_log,
         access_log_skip=_paths(args.disable_access_log_for_endpoints),
         discovery=discovery,
@@ -369,6 +375,9 @@ def _add_pd_proxy(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+    p.add_argument("--timeout-keep-alive", type=int, default=75, metavar="SECONDS",
+                   help="how long an idle client connection stays open (default: 75, longer "
+                   "than clients keep theirs: a shorter one races their next request)")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log line per request (vLLM's flag)")  # fmt: skip
     p.add_argument("--disable-access-log-for-endpoints", default=QUIET_ENDPOINTS,
@@ -403,6 +412,8 @@ def _run_pd_proxy(args: argparse.Namespace) -> int:
         raise ConfigError("--health-check-interval and --load-interval-ms must be positive")
     if not args.shutdown_timeout >= 0:
         raise ConfigError("--shutdown-timeout must be at least 0")
+    if args.timeout_keep_alive < 1:
+        raise ConfigError("--timeout-keep-alive must be at least 1")
     check_port(args.host, args.port)
     tokenizer = args.tokenizer
     if tokenizer is not None:
@@ -423,6 +434,7 @@ def _run_pd_proxy(args: argparse.Namespace) -> int:
             log_level=args.uvicorn_log_level,
             seed=args.seed,
             shutdown_timeout=args.shutdown_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
             access_log=not args.disable_uvicorn_access_log,
             access_log_skip=_paths(args.disable_access_log_for_endpoints),
             discovery=discovery[role],

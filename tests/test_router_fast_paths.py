@@ -274,3 +274,36 @@ def test_a_client_that_stops_reading_gets_every_byte_in_order() -> None:
     finally:
         router.stop()
         replica.stop()
+
+
+def test_the_relay_writes_chunks_to_uvicorns_transport_itself() -> None:
+    """Under uvicorn (httptools) the relay writes a piece in chunked framing itself
+    (``chunk_writer``); a uvicorn that changed its protocol's fields would get ``send``
+    again, and this test says so."""
+    from services.router.forward import chunk_writer
+
+    writers: list[object] = []
+
+    async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        write = chunk_writer(send)
+        writers.append(write)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        wrote = write is not None and write(b"data: 1\n\n") and write(b"data: 2\n\n")
+        await send({"type": "http.response.body", "body": b"" if wrote else b"(send)",
+                    "more_body": False})  # fmt: skip
+
+    server = ServerThread(app)
+    try:
+        r = httpx.get(server.url + "/", timeout=10)
+        assert r.status_code == 200 and r.text == "data: 1\n\ndata: 2\n\n"
+        assert r.headers["transfer-encoding"] == "chunked"
+        assert writers and writers[0] is not None
+    finally:
+        server.stop()
+    assert chunk_writer(lambda message: None) is None  # not uvicorn's: send it is

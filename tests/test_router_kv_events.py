@@ -357,6 +357,18 @@ def test_vllms_int_hashes_meet_our_digests() -> None:
     assert index.matched_blocks(digests, ["v"]) == {"v": 1}
 
 
+def test_engines_that_publish_digests_are_matched_on_the_whole_digest() -> None:
+    """Ours publish whole digests: kept as they are, so two that share their low 64 bits
+    (what an int-publishing engine's hashes keep) are still told apart."""
+    stored = [bytes([1]) * 24 + bytes([9]) * 8, bytes([2]) * 24 + bytes([9]) * 8]
+    other = bytes([3]) * 24 + bytes([9]) * 8  # the same low 64 bits as both
+    index = PreciseIndex()
+    index.apply(("ours", 0), [BlockStored(stored, None, [], 4)])
+    assert index.matched_blocks(stored, ["ours"]) == {"ours": 2}
+    assert index.matched_blocks([stored[0], other], ["ours"]) == {"ours": 1}
+    assert index.holds(("ours", 0), stored[1]) and not index.holds(("ours", 0), other)
+
+
 @pytest.mark.parametrize(
     "batch",
     [

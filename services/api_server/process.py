@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -118,4 +119,6 @@ def run_api_server_process(config: ServeConfig, control: str) -> None:
         drain=drain,
         on_started=ready,
         timeout_graceful_shutdown=1,
+        # vLLM's: seconds an idle client connection stays open
+        timeout_keep_alive=int(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
     )

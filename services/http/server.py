@@ -28,6 +28,7 @@ def run_app(
     drain: Callable[[], Awaitable[None]] | None = None,
     on_started: Callable[[], None] | None = None,
     timeout_graceful_shutdown: int | None = None,
+    timeout_keep_alive: int = 5,
 ) -> None:
     """Serve ``app`` on ``host:port`` until stopped, on uvloop.
 
@@ -35,6 +36,8 @@ def run_app(
     ``drain()`` (finish or abort what is in flight), then the server stops; later ones are
     ignored. Without it, uvicorn's handlers stop it (in-flight requests get
     ``timeout_graceful_shutdown`` seconds).
+    ``timeout_keep_alive``: seconds an idle client connection stays open (uvicorn's and
+    vLLM's 5 by default).
     ``on_started``: called once the server listens and the app's lifespan has started
     (report readiness there).
 
@@ -48,6 +51,7 @@ def run_app(
         loop="uvloop",
         log_level=log_level,
         timeout_graceful_shutdown=timeout_graceful_shutdown,
+        timeout_keep_alive=timeout_keep_alive,
     )
     server = uvicorn.Server(config)
     if drain is not None:

@@ -31,6 +31,10 @@ class RouterConfig:
     max_body_bytes: int = 64 << 20
     log_level: str = "warning"  # uvicorn's
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    # Seconds an idle client connection stays open: longer than clients keep theirs (httpx
+    # and the openai client 5, aiohttp 15), or a client reuses one as the router closes it
+    # and its request fails (ReadError): the close races the request. nginx's default.
+    timeout_keep_alive: int = 75
     access_log: bool = True  # a line per request (services/http/middleware.py)
     access_log_skip: list[str] = field(default_factory=lambda: QUIET_ENDPOINTS.split(","))
     role: str = "backend"  # what the log calls its replicas (the PD proxy: prefill, decode)

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,33 @@ async def _finish(coro: Coroutine[Any, Any, None], waits_for: Any) -> None:
         raise
 
 
+def chunk_writer(send: Any) -> Callable[[bytes], bool] | None:
+    """uvicorn's ``send`` of a body piece (httptools' protocol), without the ASGI message
+    and the coroutine: the piece written to the client's transport in chunked framing
+    where uvicorn's ``send`` would do just that and nothing else (the response started
+    chunked and has not ended, the client is there, its socket not full); False otherwise,
+    and ``send`` it. None where ``send`` is not that protocol's (another server, another
+    uvicorn: ``send`` always). ~2 us of CPU a piece, ~130 pieces a stream."""
+    cycle: Any = getattr(send, "__self__", None)
+    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl":
+        return None
+    try:
+        transport, flow = cycle.transport, cycle.flow
+        _ = (cycle.chunked_encoding, cycle.disconnected, cycle.response_complete,
+             flow.write_paused)  # fmt: skip
+    except AttributeError:
+        return None
+
+    def write(data: bytes) -> bool:
+        if (cycle.chunked_encoding is not True or flow.write_paused or cycle.disconnected
+                or cycle.response_complete):  # fmt: skip
+            return False
+        transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        return True
+
+    return write
+
+
 class RelayedAnswer(Response):
     """A replica's answer passed on as it comes: its status and headers, then its body's
     bytes as they arrive (what arrived together, in one piece), unparsed.
@@ -138,6 +165,7 @@ class RelayedAnswer(Response):
         self._prev = b""  # those before them (the access line's usage: ``fill``)
         self._ended = False  # the body's end sent
         self._send: Any = None
+        self._write: Callable[[bytes], bool] | None = None  # ``chunk_writer(send)``
         self._suspended: tuple[Coroutine[Any, Any, None], Any] | None = None
         self._push_error: BaseException | None = None
         self._client_gone = False
@@ -175,6 +203,7 @@ class RelayedAnswer(Response):
         """The body after the first bytes: pushed while the client keeps up."""
         resp = self._resp
         self._send = send
+        self._write = chunk_writer(send)
         while True:
             if data := resp.take():
                 self._prev, self._last = self._last, data
@@ -202,6 +231,8 @@ class RelayedAnswer(Response):
         """One piece from the replica, sent now; False when the send had to wait (or
         failed): this response's task takes over."""
         self._prev, self._last = self._last, data
+        if self._write is not None and self._write(data):
+            return True
         coro = self._send(_body(data))
         try:
             fut = coro.send(None)
@@ -311,7 +342,7 @@ class Forwarder:
             first = await resp.receive()  # b"": an empty answer
             now = time.perf_counter()
             load.first_byte(now - sent)
-            self.metrics.ttfb.labels(replica.url).observe(now - arrived)
+            self.metrics.ttfb_of(replica.url).observe(now - arrived)
             return self._commit(resp, first, load)
         except (httpx.TransportError, httpx.StreamError) as e:
             resp.close()

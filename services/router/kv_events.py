@@ -152,19 +152,22 @@ _LOW64 = (1 << 64) - 1
 
 
 def key(h: BlockHash) -> int:
-    """The index's key for a block hash: its low 64 bits, as vLLM publishes hashes by
-    default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so full digests (ours) and vLLM's
-    ints meet."""
+    """A block hash as an engine that publishes ints has it: its low 64 bits, as vLLM
+    publishes hashes by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
     return int.from_bytes(h[-8:], "big") if isinstance(h, bytes) else h & _LOW64
 
 
 class PreciseIndex:
     """Per engine core of each replica, how many cached blocks carry each hash: in its
-    device pool (``_held``) and in its connector's other tiers (``_lower``)."""
+    device pool (``_held``) and in its connector's other tiers (``_lower``). Hashes are
+    kept as the engine publishes them (ours: digests; vLLM's by default: ints, the
+    digest's low 64 bits); a prompt's digests meet an engine that publishes ints through
+    ``key``."""
 
     def __init__(self) -> None:
-        self._held: dict[Source, Counter[int]] = {}
-        self._lower: dict[Source, Counter[int]] = {}
+        self._held: dict[Source, Counter[BlockHash]] = {}
+        self._lower: dict[Source, Counter[BlockHash]] = {}
+        self._ints: set[Source] = set()  # engines that publish ints
 
     def apply(self, source: Source, events: Iterable[KVCacheEvent]) -> None:
         device = self._held.setdefault(source, Counter())
@@ -172,10 +175,14 @@ class PreciseIndex:
         for event in events:
             if isinstance(event, BlockStored):
                 held = device if event.medium in _DEVICE_MEDIA else lower
-                held.update(map(key, event.block_hashes))
+                hashes = event.block_hashes
+                if hashes and type(hashes[0]) is int:
+                    self._ints.add(source)
+                held.update(map(key, hashes) if source in self._ints else hashes)
             elif isinstance(event, BlockRemoved):
                 held = device if event.medium in _DEVICE_MEDIA else lower
-                for k in map(key, event.block_hashes):
+                hashes = event.block_hashes
+                for k in map(key, hashes) if source in self._ints else hashes:
                     if held[k] > 1:
                         held[k] -= 1
                     else:
@@ -187,13 +194,14 @@ class PreciseIndex:
     def clear(self, source: Source) -> None:
         self._held.pop(source, None)
         self._lower.pop(source, None)
+        self._ints.discard(source)
 
     def forget(self, replica: str) -> None:
         for source in [s for s in self._held if s[0] == replica]:
             self.clear(source)
 
     def holds(self, source: Source, h: BlockHash) -> bool:
-        k = key(h)
+        k = key(h) if source in self._ints else h
         return k in self._held.get(source, ()) or k in self._lower.get(source, ())
 
     def matched_blocks(
@@ -202,19 +210,22 @@ class PreciseIndex:
         """For each replica, the longest leading run of ``hashes`` one of its engines holds."""
         wanted = set(replicas)
         out = dict.fromkeys(wanted, 0)
-        empty: Counter[int] = Counter()
-        keys: list[int] = []  # the hashes' keys, as far as some engine needed them
+        empty: Counter[BlockHash] = Counter()
+        ints: list[BlockHash] | None = None  # the hashes as ints, once an engine needs them
         total = len(hashes)
         for source, held in self._held.items():
             replica = source[0]
             if replica not in wanted:
                 continue
             lower = self._lower.get(source, empty)
+            probe = hashes
+            if source in self._ints:
+                if ints is None:
+                    ints = [key(h) for h in hashes]
+                probe = ints
             n = 0
             while n < total:
-                if n == len(keys):
-                    keys.append(key(hashes[n]))
-                k = keys[n]
+                k = probe[n]
                 if k not in held and k not in lower:
                     break
                 n += 1
@@ -295,13 +306,12 @@ class Subscription:
         idle = False  # this task waits for ``wake``: ``_readable`` may apply batches
 
         def readable() -> None:
-            busy = not idle or int(monitor.getsockopt(zmq.EVENTS)) & _POLLIN
-            if busy or self._read(sub, held):
+            if not idle or self._read(sub, held):
                 wake.set()
 
         fds = [int(sub.getsockopt(zmq.FD)), int(monitor.getsockopt(zmq.FD))]
-        for fd in fds:
-            loop.add_reader(fd, readable)
+        loop.add_reader(fds[0], readable)
+        loop.add_reader(fds[1], wake.set)  # (the monitor's news: the task reads it)
         disconnected = False
         try:
             await self.resync("start")

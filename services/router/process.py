@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 
@@ -97,24 +97,17 @@ class GenerateRoutes:
                 response = error_response(500, f"Internal server error: {type(e).__name__}")
             if record is None:
                 await response(scope, receive, send)
-            elif isinstance(response, LogsItself):
+            elif (fill := getattr(response, "fill", None)) is not None:  # keeps its line
                 try:
                     await response(scope, receive, send)
                 finally:
-                    response.fill(record)
+                    fill(record)
             else:
                 await response(scope, receive, record.wrap(send))
         finally:
             self.drain.in_flight -= 1
             if record is not None:
                 record.log()
-
-
-@runtime_checkable
-class LogsItself(Protocol):
-    """A response that keeps what its access line says (``RelayedAnswer``)."""
-
-    def fill(self, record: AccessRecord) -> None: ...
 
 
 def use_uvicorn_logging() -> None:
@@ -168,6 +161,7 @@ def serve(app: FastAPI, config: RouterConfig, what: str, details: str) -> int:
         drain=stop,
         on_started=started,
         timeout_graceful_shutdown=1,
+        timeout_keep_alive=config.timeout_keep_alive,
     )
     log.info("%s stopped", what)
     return 0

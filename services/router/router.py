@@ -248,13 +248,13 @@ class Router:
         if req.hashes and (self._record_all or (self._record_unfollowed
                                                 and not self.precise.has(r.url))):  # fmt: skip
             self.index.record(r.url, req.hashes)
-        url = r.url
-        self.metrics.decisions.labels(self.policy.name, url).inc()
+        series = self.metrics.series(self.policy.name, r.url)
+        series.decisions.inc()
         if req.prompt_tokens:
-            self.metrics.prompt_tokens.labels(url).inc(req.prompt_tokens)
-            self.metrics.predicted_cached.labels(url).inc(d.cached_blocks * req.block_size)
+            series.prompt_tokens.inc(req.prompt_tokens)
+            series.predicted_cached.inc(d.cached_blocks * req.block_size)
         if d.predicted_ttft_s is not None:
-            self.metrics.predicted_ttft.labels(url).observe(d.predicted_ttft_s)
+            series.predicted_ttft.observe(d.predicted_ttft_s)
         return load
 
     async def _read_body(self, request: Request) -> bytes | Response:
