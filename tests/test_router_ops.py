@@ -260,15 +260,22 @@ def test_router_logs_where_it_listens_backend_changes_and_requests(procs, replic
 
 
 def _get_health(sock: socket.socket) -> bytes:
-    """``GET /health`` on a kept-alive connection; its answer's status line."""
+    """``GET /health`` on a kept-alive connection, its answer read to its end (the body's
+    length from its header); the answer's status line."""
     sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
     got = b""
-    while b"\r\n\r\n" not in got:
+    while b"\r\n\r\n" not in got or len(got) < _answer_length(got):
         piece = sock.recv(65536)
         if not piece:
             return b"(closed by the server)"
         got += piece
     return got.split(b"\r\n", 1)[0]
+
+
+def _answer_length(got: bytes) -> int:
+    head, _, _ = got.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    return len(head) + 4 + (int(length.group(1)) if length else 0)
 
 
 def test_idle_client_connections_outlast_the_clients_own(procs, replica) -> None:  # noqa: ANN001

@@ -23,6 +23,10 @@ Blocks of the engine's own pool (medium ``GPU`` or none) and of the tiers a KV c
 keeps beyond it (``CPU``: offload; ``DISK``: storage) are indexed apart, so that one
 tier's removal never drops another's; a prompt block held in any tier counts as matched,
 since the engine loads it instead of computing it.
+
+It stays whole because its parts are one protocol read end to end: the wire format
+(``decode_batch``), the index it fills (``PreciseIndex``) and the subscription that keeps
+the two in step (gaps, replays, restarts) change together.
 """
 
 from __future__ import annotations
