@@ -259,6 +259,23 @@ def test_router_logs_where_it_listens_backend_changes_and_requests(procs, replic
     assert any(LINE.match(line) and "Application startup complete" in line for line in lines)
 
 
+def test_access_lines_skip_each_generate_path_named(procs, replica) -> None:  # noqa: ANN001
+    """``--disable-access-log-for-endpoints`` naming one generate route silences that one
+    only (the generate routes log their lines themselves, before the middlewares)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = procs("router", "--backend", replica.url, "--port", str(port),
+                 "--disable-access-log-for-endpoints", "/v1/completions,/health")  # fmt: skip
+    proc.wait_healthy(url)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 200, r.text
+    proc.wait_log(r"POST /v1/chat/completions 200 ")  # (logged after the first request's)
+    assert "POST /v1/completions" not in proc.log, proc.log
+
+
 def _get_health(sock: socket.socket) -> bytes:
     """``GET /health`` on a kept-alive connection, its answer read to its end (the body's
     length from its header); the answer's status line."""

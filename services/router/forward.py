@@ -123,6 +123,8 @@ def chunk_writer(send: Any) -> Callable[[bytes], bool] | None:
         return None
 
     def write(data: bytes) -> bool:
+        if not data:  # (an empty chunk would end the body: uvicorn's send writes nothing)
+            return True
         if (cycle.chunked_encoding is not True or flow.write_paused or cycle.disconnected
                 or cycle.response_complete):  # fmt: skip
             return False
@@ -144,10 +146,11 @@ class RelayedAnswer(Response):
     (``body_iterator``, as the PD proxy reads the prefill's), its end or ``background``.
 
     Sent, the body is pushed: each piece goes from the replica's connection
-    (``UpstreamResponse.sink``) straight into ``send`` (uvicorn's socket write, no
-    middleware between: ``GenerateRoutes``; the access line comes from ``fill``), which
-    returns without suspending unless the client's socket is full. Then the suspended send is finished in this response's task, what came
-    meanwhile is sent from the buffer, and pushing resumes. Not Starlette's
+    (``UpstreamResponse.sink``) straight to the client: written to uvicorn's transport
+    (``chunk_writer``) or through its ``send`` (no middleware between: ``GenerateRoutes``;
+    the access line comes from ``fill``), which returns without suspending unless the
+    client's socket is full. Then the suspended send is finished in this response's task,
+    what came meanwhile is sent from the buffer, and pushing resumes. Not Starlette's
     ``StreamingResponse``: that would wake this task and pass two generators for each of a
     stream's ~130 events, and open an anyio task group per answer (``RelayResponse`` in
     ``services/http/streaming.py`` remains for the other routes)."""
@@ -342,7 +345,7 @@ class Forwarder:
             first = await resp.receive()  # b"": an empty answer
             now = time.perf_counter()
             load.first_byte(now - sent)
-            self.metrics.ttfb_of(replica.url).observe(now - arrived)
+            self.metrics.child(self.metrics.ttfb, replica.url).observe(now - arrived)
             return self._commit(resp, first, load)
         except (httpx.TransportError, httpx.StreamError) as e:
             resp.close()

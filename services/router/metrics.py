@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,21 +29,9 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class RequestSeries:
-    """One replica's series that every request it is sent moves (``labels`` looks a child
-    up under a lock, ~3 us: once per replica here, not five times per request)."""
-
-    decisions: Any
-    prompt_tokens: Any
-    predicted_cached: Any
-    predicted_ttft: Any
-
-
 class RouterMetrics:
     def __init__(self) -> None:
-        self._series: dict[tuple[str, str], RequestSeries] = {}
-        self._ttfb: dict[str, Any] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}  # ``child``
         r = self.registry = CollectorRegistry()
         self.decisions = Counter("router:decisions", "Requests routed, by policy and replica.",
                                  ["policy", "replica"], registry=r)  # fmt: skip
@@ -90,27 +77,19 @@ class RouterMetrics:
                                         "estimate of time to first token.", ["replica"],
                                         buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
 
-    def series(self, policy: str, url: str) -> RequestSeries:
-        """The children a request routed by ``policy`` to replica ``url`` moves."""
-        found = self._series.get((policy, url))
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, kept: ``labels`` takes a lock and builds its key on
+        every call (~3 us), and the request path and each KV event batch move series by
+        replica."""
+        key = (metric, values)
+        found = self._children.get(key)
         if found is None:
-            found = self._series[policy, url] = RequestSeries(
-                self.decisions.labels(policy, url), self.prompt_tokens.labels(url),
-                self.predicted_cached.labels(url), self.predicted_ttft.labels(url),
-            )  # fmt: skip
-        return found
-
-    def ttfb_of(self, url: str) -> Any:
-        """Replica ``url``'s ``router:time_to_first_byte_seconds`` child."""
-        found = self._ttfb.get(url)
-        if found is None:
-            found = self._ttfb[url] = self.ttfb.labels(url)
+            found = self._children[key] = metric.labels(*values)
         return found
 
     def remove_replica(self, url: str) -> None:
-        for key in [k for k in self._series if k[1] == url]:
-            del self._series[key]
-        self._ttfb.pop(url, None)
+        for key in [k for k in self._children if url in k[1]]:
+            del self._children[key]
         for gauge in (self.index_blocks, self.healthy, self.in_flight, self.prefill_s_per_token,
                       self.event_lag):  # fmt: skip
             with contextlib.suppress(KeyError):

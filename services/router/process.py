@@ -40,7 +40,7 @@ def add_ops(app: RouterApp, config: RouterConfig, what: str,
     skip = set(config.access_log_skip)
     if config.access_log:
         app.add_middleware(AccessLogMiddleware, skip_paths=skip)  # type: ignore[arg-type]
-    logged = config.access_log and not skip.issuperset(GENERATE_PATHS)
+    logged = set(GENERATE_PATHS) - skip if config.access_log else set()
     app.generate_routes = GenerateRoutes(generate, drain, logged)
     return drain
 
@@ -73,9 +73,9 @@ class GenerateRoutes:
     else as a 500 in OpenAI's error shape (the traceback logged)."""
 
     def __init__(self, generate: Callable[[Request, str], Awaitable[Response]], drain: Drain,
-                 access_log: bool) -> None:  # fmt: skip
+                 logged: set[str]) -> None:  # fmt: skip
         self.app: Any = None  # the app's middleware stack: every other request
-        self.generate, self.drain, self.access_log = generate, drain, access_log
+        self.generate, self.drain, self.logged = generate, drain, logged  # paths with a line
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path")
@@ -83,7 +83,7 @@ class GenerateRoutes:
                 or self.drain.draining):  # fmt: skip
             await self.app(scope, receive, send)
             return
-        record = AccessRecord(scope) if self.access_log else None
+        record = AccessRecord(scope) if path in self.logged else None
         self.drain.in_flight += 1
         try:
             try:

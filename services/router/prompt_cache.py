@@ -1,10 +1,10 @@
 """Prompts' token ids and block hashes, cached per text segment: a prompt that shares a
 prefix with an earlier one is tokenized and hashed only past it.
 
-Tokenizing a 6,000-token prompt costs ~5-7 ms of CPU in HF tokenizers (~1.4 ms where
+Tokenizing a 6,000-token prompt costs ~5-7 ms of CPU in HF tokenizers (~1.4-2.2 ms where
 tiktoken reads the vocabulary: ``services/tokenizer/fast_bpe.py``, for the segments after
-the first), hashing its ~390 blocks ~0.5 ms, and a fleet's prompts mostly repeat a prefix (a system prompt, a document, a
-conversation so far). A prompt is cut into segments of about ``SEGMENT_CHARS``
+the first), hashing its ~390 blocks ~0.5-1 ms, and a fleet's prompts mostly repeat a prefix
+(a system prompt, a document, a conversation so far). A prompt is cut into segments of about ``SEGMENT_CHARS``
 characters, each cut at a lone ASCII space (a non-space character before it and after
 it), the first such space at or after every multiple of ``SEGMENT_CHARS``; the cuts of two
 prompts agree up to where the prompts differ. The segments form a tree (each node: its
@@ -106,16 +106,15 @@ class PrefixTokenCache:
         self._serial = itertools.count(1)
         self._tokens = 0
         self._plans = 0
-        self.segmenting = True
+        self.fast: FastBPE | None = None
+        self.segmenting = self._segments_are_exact()  # (HF's segments)
         # Later segments through tiktoken where it reads this vocabulary as HF does.
-        self.fast = FastBPE.build(info.tokenizer)
-        if self.fast is not None and not self._segments_are_exact():
-            log.info("router prompt cache: tiktoken tokenizes the sample otherwise than HF "
-                     "tokenizers: HF's only")  # fmt: skip
-            self.fast = None
-        self.segmenting = self._segments_are_exact()
-        if self.fast is not None and not self.segmenting:
-            self.fast = None
+        if self.segmenting and (fast := FastBPE.build(info.tokenizer)) is not None:
+            self.fast = fast
+            if not self._sample_agrees():
+                log.info("router prompt cache: tiktoken tokenizes the sample otherwise than "
+                         "HF tokenizers: HF's only")  # fmt: skip
+                self.fast = None
 
     # ---- cuts
 
@@ -143,15 +142,20 @@ class PrefixTokenCache:
         if any(t.lstrip or t.rstrip or t.single_word for t in added):
             log.info("router prompt cache: added tokens strip spaces: whole prompts only")
             return False
+        if not self._sample_agrees():
+            log.info("router prompt cache: this tokenizer's segments differ from its whole "
+                     "prompts: whole prompts only")  # fmt: skip
+            return False
+        return True
+
+    def _sample_agrees(self) -> bool:
+        """A sample (its added tokens in it) tokenized by segments as whole, both with
+        special tokens and without."""
+        added = self.info.tokenizer.get_added_tokens_decoder().values()
         specials = " ".join(t.content for t in added)
         sample = (_SAMPLE + specials + " ") * 4 + _SAMPLE
-        for add_special in (True, False):
-            whole = self.info.encode(sample, add_special)
-            if self._by_segments(sample, add_special) != whole:
-                log.info("router prompt cache: this tokenizer's segments differ from its whole "
-                         "prompts: whole prompts only")  # fmt: skip
-                return False
-        return True
+        return all(self._by_segments(sample, add_special) == self.info.encode(sample, add_special)
+                   for add_special in (True, False))  # fmt: skip
 
     def _by_segments(self, text: str, add_special: bool) -> list[int]:
         bounds = [0, *self.cuts(text), len(text)]

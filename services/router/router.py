@@ -81,7 +81,6 @@ class Router:
         self._record_all = view is self.index
         self._record_unfollowed = isinstance(view, CombinedIndex)
         self.follower = EventFollower(self.precise, on_batch=self._on_events)
-        self._batch_counters: dict[str, Any] = {}  # replica -> its batches' counter
         self.refused: dict[str, str] = {}  # replica -> why it is kept out
         self._publishers: dict[str, list[Publisher]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -196,11 +195,7 @@ class Router:
 
     def _on_events(self, sub: Subscription, batch: DecodedBatch) -> None:
         """After each batch (the lag gauge is set when /metrics is read)."""
-        counter = self._batch_counters.get(sub.replica)
-        if counter is None:
-            counter = self.metrics.event_batches.labels(sub.replica)
-            self._batch_counters[sub.replica] = counter
-        counter.inc()
+        self.metrics.child(self.metrics.event_batches, sub.replica).inc()
 
     def event_stats(self, url: str) -> dict[str, Any]:
         subs = self.follower.subscriptions(url)
@@ -248,13 +243,13 @@ class Router:
         if req.hashes and (self._record_all or (self._record_unfollowed
                                                 and not self.precise.has(r.url))):  # fmt: skip
             self.index.record(r.url, req.hashes)
-        series = self.metrics.series(self.policy.name, r.url)
-        series.decisions.inc()
+        m, url = self.metrics, r.url
+        m.child(m.decisions, self.policy.name, url).inc()
         if req.prompt_tokens:
-            series.prompt_tokens.inc(req.prompt_tokens)
-            series.predicted_cached.inc(d.cached_blocks * req.block_size)
+            m.child(m.prompt_tokens, url).inc(req.prompt_tokens)
+            m.child(m.predicted_cached, url).inc(d.cached_blocks * req.block_size)
         if d.predicted_ttft_s is not None:
-            series.predicted_ttft.observe(d.predicted_ttft_s)
+            m.child(m.predicted_ttft, url).observe(d.predicted_ttft_s)
         return load
 
     async def _read_body(self, request: Request) -> bytes | Response:
