@@ -210,9 +210,12 @@ def run_tests(timeout_s: float, cmd: list[str] | None = None) -> dict:
     print(f"$ {' '.join(cmd[2:])}  (at most {timeout_s:.0f} s)", flush=True)
     start = time.monotonic()
     tail: collections.deque[str] = collections.deque(maxlen=400)
+    # (SIGINT as by default in pytest even where this runs with it ignored, as a job that
+    # a shell started in the background does: else pytest ignores it too, says nothing)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
 
     def pump() -> None:
         assert proc.stdout is not None
