@@ -187,6 +187,38 @@ def test_unsupported_gguf_arch(tmp_path: Path) -> None:
         prepare_model(str(path), cache_dir=tmp_path / "cache")
 
 
+def test_open_gguf_reads_what_gguf_reads(tmp_path: Path) -> None:
+    """open_gguf's faster header parsing (a plain view of the mapping) gives gguf's own
+    reader's fields and tensors: the default model (a 49k vocabulary, merges, Q4_1 and
+    f32 tensors) and a small file written here with scalars, strings and arrays."""
+    path = tmp_path / "mixed.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("x.u8", 7)
+    w.add_int16("x.i16", -300)
+    w.add_float64("x.f64", 0.125)
+    w.add_bool("x.flag", True)
+    w.add_string("x.text", "héllo")
+    w.add_array("x.ints", [3, 1, 4, 1, 5])
+    w.add_array("x.floats", [0.5, -2.0])
+    w.add_array("x.words", ["a", "", "ü", "<|im_end|>"])
+    w.add_tensor("w", np.arange(24, dtype=np.float32).reshape(4, 6))
+    _finish(w)
+    for file in (default_model_path(), path):
+        theirs, ours = gguf.GGUFReader(file, "r"), open_gguf(file)
+        assert list(ours.fields) == list(theirs.fields)
+        for key, field in theirs.fields.items():
+            got = ours.fields[key]
+            assert (got.offset, got.types, got.data) == (field.offset, field.types, field.data)
+            assert got.contents() == field.contents(), key
+        assert ours.data_offset == theirs.data_offset
+        assert len(ours.tensors) == len(theirs.tensors) > 0
+        for got_t, want in zip(ours.tensors, theirs.tensors, strict=True):
+            assert (got_t.name, got_t.tensor_type, got_t.n_bytes, got_t.data_offset) == (
+                want.name, want.tensor_type, want.n_bytes, want.data_offset)  # fmt: skip
+            assert np.array_equal(got_t.shape, want.shape)
+            assert np.array_equal(got_t.data, want.data)
+
+
 def test_dummy_format_needs_only_config(tmp_path: Path) -> None:
     cfg = _write(tmp_path / "m" / "config.json", _tiny_llama_config_json())
     assert prepare_model(str(cfg), "dummy") == cfg.parent

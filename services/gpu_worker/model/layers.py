@@ -286,7 +286,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # on the CPU whatever the default device: under ``torch.device("meta")`` (the model
+    # being built) these ops ran through torch's Python reference decompositions, ~2 s
+    # of every worker's start-up
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     scaling = scaling or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type == "default":
