@@ -855,3 +855,36 @@ def test_kv_dtype_divergence() -> None:
     d = divergence(ref, [[1, 2, 3, 4], [5, 9, 7, 8]])
     assert d == {"identical": 0.5, "tokens_before_divergence": 5 / 8, "first_divergence": [None, 1]}
     assert divergence(ref, [[1, 2, 3], [5, 6, 7, 8]])["first_divergence"] == [3, None]
+
+
+def test_startup_summary_and_cpu_of_a_tree() -> None:
+    """bench.startup: medians per revision and configuration, HEAD's ratio to BASE; the CPU
+    of a process tree counts its children."""
+    import subprocess
+    import sys
+
+    from bench import startup
+
+    runs = [{"rev": rev, "config": "default", "ready_s": s, "cpu_s": 2 * s}
+            for rev, s in (("a", 6.0), ("a", 7.0), ("a", 9.0), ("b", 4.0), ("b", 3.0))]  # fmt: skip
+    rows = startup.summarize(["a", "b"], runs)
+    ready = next(r for r in rows if r["metric"] == "ready_s")
+    assert ready["a"] == {"median": 7.0, "min": 6.0, "max": 9.0}
+    assert ready["b"]["median"] == 3.5 and ready["ratio"] == 0.5
+    assert "| default | to /health 200 (s) | 7.00 (6.00-9.00) | 3.50" in startup.table(
+        ["a", "b"], rows
+    )
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\n"
+                             "while time.process_time() - t < 0.5: pass\ntime.sleep(30)"])  # fmt: skip
+    try:
+        import os
+
+        deadline = time.monotonic() + 30  # it has spun its half second
+        while startup.tree_cpu_s(busy.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = startup.tree_cpu_s(busy.pid)
+        assert child >= 0.5
+        assert startup.tree_cpu_s(os.getpid()) >= child + time.process_time() - 0.05
+    finally:
+        busy.kill()
+        busy.wait()

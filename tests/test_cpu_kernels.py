@@ -8,7 +8,9 @@ so an unwritten row, or a read past a context's end, fails the test.
 
 from __future__ import annotations
 
+import os
 import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from actorserve_kernels.cpu import (
 )
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
+from tests.server_utils import REPO
 from tests.test_kernels import MIXED, TOLERANCE, make_batch, reference_attention
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="no C++ compiler to build the op")
@@ -180,6 +183,54 @@ def test_torch_backend_matches_reference(seqs, use_kernel: bool) -> None:
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACTORSERVE_CPU_KERNELS", "0")
     assert load_cpu_ops.__wrapped__() is False
+
+
+def test_an_interrupted_build_is_not_waited_for_and_a_live_one_is(tmp_path) -> None:
+    """torch's builder waits forever on a ``lock`` file; one left by a killed build (the
+    file alone) is removed at the next load, while a build in progress (a process that
+    holds the guard) is waited for. In a copy of the built folder, so nothing rebuilds."""
+    import fcntl
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from actorserve_kernels.cpu import _build_name
+
+    built = Path(_get_build_directory(_build_name(), verbose=False))
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    copy = Path(subprocess.run(
+        [sys.executable, "-c", "from torch.utils.cpp_extension import _get_build_directory as g;"
+         f"print(g({_build_name()!r}, verbose=False))"],
+        env=env, capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    shutil.copytree(built, copy, dirs_exist_ok=True)  # (copy2: the mtimes ninja compares)
+    (copy / "lock").touch()  # a killed build's
+    (copy / "actorserve.guard").unlink(missing_ok=True)
+    load = [sys.executable, "-c", "from actorserve_kernels.cpu import load_cpu_ops as f; "
+            "print(f())"]  # fmt: skip
+    began = time.monotonic()
+    done = subprocess.run(load, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    alone = time.monotonic() - began
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    assert "removing the build lock of an interrupted build" in done.stderr
+    assert not (copy / "lock").exists()
+
+    with open(copy / "actorserve.guard", "a") as guard:  # a build under way, here
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (copy / "lock").touch()
+        waiting = subprocess.Popen(load, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=REPO)  # fmt: skip
+        # twice the time a load took alone: it has started, and waits on the guard
+        deadline = time.monotonic() + max(3.0, 2 * alone)
+        while waiting.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert waiting.poll() is None
+        (copy / "lock").unlink()  # the build done
+    out, err = waiting.communicate(timeout=120)
+    assert out.strip() == "True", err[-2000:]
+    assert "removing the build lock" not in err
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])

@@ -19,18 +19,21 @@
 
 They are compiled once per machine and source version (~20 s on 2 cores; ``make install``
 does it ahead) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``). Without a C++ compiler, or with
+``~/.cache/torch_extensions``); a build killed half-way (its lock file left behind) is
+noticed at the next start and redone (``_build_guard``). Without a C++ compiler, or with
 ``ACTORSERVE_CPU_KERNELS=0``, ``load_cpu_ops()`` returns False and callers use torch ops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -89,18 +92,24 @@ def _build_name() -> str:
     return f"actorserve_cpu_ops_{digest}"
 
 
-def _clear_stale_lock(name: str, max_age_s: float = 600.0) -> None:
-    """torch's builder waits forever on the lock file of a build whose process was killed;
-    a build takes well under a minute, so a lock older than ``max_age_s`` is stale."""
+@contextlib.contextmanager
+def _build_guard(name: str) -> Iterator[None]:
+    """Held around torch's build-and-load: an ``flock`` on a file in the build folder, which
+    the kernel lets go when its holder dies. torch's builder marks a build with a ``lock``
+    file and waits, forever, while one exists; one found while this guard is held was left
+    by a build whose process was killed (a first start interrupted by Ctrl-C), since every
+    live builder holds the guard: it is removed at once. Processes that start together (a
+    TP group's ranks) take turns: the first builds, the others load what it built."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            logger.warning("removing a stale build lock %s", lock)
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+    build = Path(_get_build_directory(name, verbose=False))
+    with open(build / "actorserve.guard", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        lock = build / "lock"
+        if lock.exists():
+            logger.warning("removing the build lock of an interrupted build: %s", lock)
+            lock.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
@@ -117,15 +126,15 @@ def load_cpu_ops() -> bool:
         from torch.utils.cpp_extension import load
 
         name = _build_name()
-        _clear_stale_lock(name)
-        load(
-            name=name,
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=_flags(),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_guard(name):
+            load(
+                name=name,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=_flags(),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a build error: plain torch still works
         errors = [line for line in str(e).splitlines() if "error" in line.lower()]
         logger.warning(
