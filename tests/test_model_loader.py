@@ -201,6 +201,7 @@ def test_open_gguf_reads_what_gguf_reads(tmp_path: Path) -> None:
     w.add_array("x.ints", [3, 1, 4, 1, 5])
     w.add_array("x.floats", [0.5, -2.0])
     w.add_array("x.words", ["a", "", "ü", "<|im_end|>"])
+    w.add_array("x.nested", [[1, 2], [3]])  # (gguf's own path)
     w.add_tensor("w", np.arange(24, dtype=np.float32).reshape(4, 6))
     _finish(w)
     for file in (default_model_path(), path):
