@@ -341,7 +341,8 @@ class RotaryEmbedding(nn.Module):
         """cos, signed sin: [T, 1, head_dim] in ``dtype`` (angles computed in fp32)."""
         if self._table is None or self._table.device != positions.device:
             inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
-            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+            positions_cpu = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+            freqs = torch.outer(positions_cpu, inv_freq)  # (on the CPU, as inv_freq)
             cos, sin = freqs.cos(), freqs.sin()
             table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)
             self._table = table.to(positions.device)
