@@ -63,14 +63,14 @@ def arch_from_hf_config(config: Any) -> ModelArchConfig:
 def hf_reference() -> HFReference:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from services.model_loader.gguf_convert import _PlainViewReader
+    from services.model_loader.gguf_file import PlainViewReader
 
     folder = default_gguf_dir()
     torch.manual_seed(0)
     # transformers parses the file's header three times (config, weights, tokenizer): gguf's
     # reader with the faster header parsing (the same fields and tensors:
     # test_open_gguf_reads_what_gguf_reads) saves ~8 s of the session's first test
-    with mock.patch("gguf.GGUFReader", _PlainViewReader):
+    with mock.patch("gguf.GGUFReader", PlainViewReader):
         packed = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=GGUF_NAME, dtype=torch.float32
         )
