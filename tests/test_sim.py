@@ -195,15 +195,22 @@ def test_seeded_requests_repeat_and_unseeded_ones_differ(sim_server: RemoteServe
 def test_sim_speed_reports_simulated_seconds() -> None:
     """At --sim-speed 0.01 the simulated world runs 100 times faster than real time: the
     server's request latencies read 100 times the real ones (here, over the same request:
-    between 50x and 100x the client's real time, which also holds the HTTP round trip)."""
+    between 50x and 100x the client's real time, which also holds the HTTP round trip; the
+    client and its connection are made before the clock starts: an httpx client's set-up,
+    ~20-50 ms of a loaded machine, once put the ratio at 44x)."""
     with RemoteServer(
         "--worker-backend", "sim", "--sim-model", MODEL, "--sim-speed", "0.01",
         "--kv-cache-memory-bytes", "1GiB",
     ) as server:  # fmt: skip
         server.wait_ready()
-        start = time.monotonic()
-        _complete(server.url, list(range(100, 164)), max_tokens=200, ignore_eos=True)
-        real = time.monotonic() - start
+        body = {"model": MODEL, "prompt": list(range(100, 164)), "max_tokens": 200,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.Client(timeout=120) as client:
+            assert client.get(f"{server.url}/health").status_code == 200  # connected
+            start = time.monotonic()
+            r = client.post(f"{server.url}/v1/completions", json=body)
+            real = time.monotonic() - start
+        assert r.status_code == 200, r.text
         assert wait_metric(server, "vllm:e2e_request_latency_seconds_count", 1, timeout_s=10)
         simulated = metric(server, "vllm:e2e_request_latency_seconds_sum")
         assert simulated is not None and 50 * real <= simulated <= 100 * real, (simulated, real)
