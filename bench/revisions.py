@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,32 @@ def _git(*args: str) -> str:
     return subprocess.run(
         ["git", *args], cwd=REPO, check=True, capture_output=True, text=True
     ).stdout.strip()
+
+
+@contextlib.contextmanager
+def worktrees(revs: list[str]) -> Iterator[dict[str, Path]]:
+    """Each revision checked out (``git worktree add --detach``) in a temporary folder,
+    removed again at the end: {rev: its tree}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {rev: Path(tmp) / rev for rev in revs}
+        for rev, tree in trees.items():
+            _git("worktree", "add", "--detach", str(tree), rev)
+        try:
+            yield trees
+        finally:
+            for tree in trees.values():
+                with contextlib.suppress(subprocess.CalledProcessError):
+                    _git("worktree", "remove", "--force", str(tree))
+
+
+def dots(ax: Any, revs: list[str], values: dict[str, list[float]], title: str) -> None:
+    """One panel: each revision's values as dots, their median as a bar."""
+    for x, rev in enumerate(revs):
+        ax.scatter([x] * len(values[rev]), values[rev], color=("tab:gray", "tab:blue")[x])
+        ax.hlines(statistics.median(values[rev]), x - 0.25, x + 0.25, color="black")
+    ax.set_xticks(range(len(revs)), revs)
+    ax.set_xlim(-0.6, len(revs) - 0.4)
+    ax.set_title(title, fontsize=9)
 
 
 def server(rev: str, tree: Path) -> Server:
@@ -77,13 +104,9 @@ def plot(revs: list[str], runs: list[dict[str, Any]], path: Path) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(METRICS), figsize=(3.2 * len(METRICS), 3.6))
     for ax, (workload, key, label, _) in zip(axes, METRICS, strict=True):
-        for x, rev in enumerate(revs):
-            values = [r[key] for r in runs if r["rev"] == rev and r["workload"] == workload]
-            ax.scatter([x] * len(values), values, color=("tab:gray", "tab:blue")[x])
-            ax.hlines(statistics.median(values), x - 0.25, x + 0.25, color="black")
-        ax.set_xticks(range(len(revs)), revs)
-        ax.set_xlim(-0.6, len(revs) - 0.4)
-        ax.set_title(label, fontsize=9)
+        values = {rev: [r[key] for r in runs if r["rev"] == rev and r["workload"] == workload]
+                  for rev in revs}  # fmt: skip
+        dots(ax, revs, values, label)
     fig.suptitle("each dot one run (fresh server); bar: median", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -100,26 +123,19 @@ def main() -> int:
     args = parser.parse_args()
     revs = [_git("rev-parse", "--short", rev) for rev in (args.base, args.head)]
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = {rev: Path(tmp) / rev for rev in revs}
-        for rev, tree in trees.items():
-            _git("worktree", "add", "--detach", str(tree), rev)
-        try:
-            for round_ in range(args.rounds):
-                order = revs if round_ % 2 == 0 else revs[::-1]
-                for rev in order:
-                    for workload in args.workloads:
-                        start = time.monotonic()
-                        row = run_one(server(rev, trees[rev]), workload, Path(tmp) / "out")
-                        runs.append({**row, "rev": rev, "round": round_})
-                        print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.rounds} "
-                              f"{rev} {workload}: {row['output_throughput']:.1f} tok/s, TTFT p50 "
-                              f"{row['median_ttft_ms']:.0f} ms, TPOT p50 {row['median_tpot_ms']:.1f} ms "
-                              f"({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
-        finally:
-            for tree in trees.values():
-                with contextlib.suppress(subprocess.CalledProcessError):
-                    _git("worktree", "remove", "--force", str(tree))
+    with worktrees(revs) as trees:
+        out = next(iter(trees.values())).parent / "out"
+        for round_ in range(args.rounds):
+            order = revs if round_ % 2 == 0 else revs[::-1]
+            for rev in order:
+                for workload in args.workloads:
+                    start = time.monotonic()
+                    row = run_one(server(rev, trees[rev]), workload, out)
+                    runs.append({**row, "rev": rev, "round": round_})
+                    print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.rounds} "
+                          f"{rev} {workload}: {row['output_throughput']:.1f} tok/s, TTFT p50 "
+                          f"{row['median_ttft_ms']:.0f} ms, TPOT p50 {row['median_tpot_ms']:.1f} ms "
+                          f"({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
     rows = summarize(revs, runs) if set(args.workloads) == {"W1", "W3"} else []
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": _cpu_name(), "nproc": os.cpu_count(), "revisions": revs,

@@ -20,9 +20,7 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ import psutil
 
 from bench.cpu_peers import RESULTS, _cpu_name
 from bench.procs import _Process, free_port
-from bench.revisions import _git
+from bench.revisions import _git, dots, worktrees
 
 CONFIGS = {  # name: serve flags after the model's defaults
     "default": [],
@@ -125,15 +123,11 @@ def plot(revs: list[str], runs: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2 * len(configs), figsize=(3.0 * 2 * len(configs), 3.4))
     panels = [(c, k) for c in configs for k in ("ready_s", "cpu_s")]
     for ax, (config, key) in zip(axes, panels, strict=True):
-        for x, rev in enumerate(revs):
-            values = [r[key] for r in runs if r["rev"] == rev and r["config"] == config]
-            ax.scatter([x] * len(values), values, color=("tab:gray", "tab:blue")[x])
-            ax.hlines(statistics.median(values), x - 0.25, x + 0.25, color="black")
-        ax.set_xticks(range(len(revs)), revs)
-        ax.set_xlim(-0.6, len(revs) - 0.4)
-        ax.set_ylim(bottom=0)
+        values = {rev: [r[key] for r in runs if r["rev"] == rev and r["config"] == config]
+                  for rev in revs}  # fmt: skip
         what = "to /health 200 (s)" if key == "ready_s" else "CPU by then (s)"
-        ax.set_title(f"{config}: {what}", fontsize=9)
+        dots(ax, revs, values, f"{config}: {what}")
+        ax.set_ylim(bottom=0)
     fig.suptitle("actorserve serve start-up; each dot one fresh server, bar: median", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -150,27 +144,19 @@ def main() -> int:
     args = parser.parse_args()
     revs = [_git("rev-parse", "--short", rev) for rev in (args.base, args.head)]
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = {rev: Path(tmp) / rev for rev in revs}
-        for rev, tree in trees.items():
-            _git("worktree", "add", "--detach", str(tree), rev)
-        try:
-            for rev in revs:  # unmeasured: a tree's first start may build the C++ ops
-                print(f"[{time.strftime('%H:%M:%S')}] {rev}: a first start (not measured)",
-                      flush=True)  # fmt: skip
-                start_once(trees[rev], [])
-            for round_ in range(args.rounds):
-                for rev in revs if round_ % 2 == 0 else revs[::-1]:
-                    for config in args.configs:
-                        row = start_once(trees[rev], CONFIGS[config])
-                        runs.append({**row, "rev": rev, "config": config, "round": round_})
-                        print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.rounds} "
-                              f"{rev} {config}: ready in {row['ready_s']:.2f} s, "
-                              f"{row['cpu_s']:.1f} CPU s", flush=True)  # fmt: skip
-        finally:
-            for tree in trees.values():
-                with contextlib.suppress(subprocess.CalledProcessError):
-                    _git("worktree", "remove", "--force", str(tree))
+    with worktrees(revs) as trees:
+        for rev in revs:  # unmeasured: a tree's first start builds the C++ ops
+            print(f"[{time.strftime('%H:%M:%S')}] {rev}: a first start (not measured)",
+                  flush=True)  # fmt: skip
+            start_once(trees[rev], [])
+        for round_ in range(args.rounds):
+            for rev in revs if round_ % 2 == 0 else revs[::-1]:
+                for config in args.configs:
+                    row = start_once(trees[rev], CONFIGS[config])
+                    runs.append({**row, "rev": rev, "config": config, "round": round_})
+                    print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.rounds} "
+                          f"{rev} {config}: ready in {row['ready_s']:.2f} s, "
+                          f"{row['cpu_s']:.1f} CPU s", flush=True)  # fmt: skip
     rows = summarize(revs, runs)
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": _cpu_name(), "nproc": os.cpu_count(), "revisions": revs,

@@ -857,7 +857,7 @@ def test_kv_dtype_divergence() -> None:
     assert divergence(ref, [[1, 2, 3], [5, 6, 7, 8]])["first_divergence"] == [3, None]
 
 
-def test_startup_summary_and_cpu_of_a_tree() -> None:
+def test_startup_summary_and_cpu_of_a_tree(tmp_path: Path) -> None:
     """bench.startup: medians per revision and configuration, HEAD's ratio to BASE; the CPU
     of a process tree counts its children."""
     import subprocess
@@ -874,6 +874,8 @@ def test_startup_summary_and_cpu_of_a_tree() -> None:
     assert "| default | to /health 200 (s) | 7.00 (6.00-9.00) | 3.50" in startup.table(
         ["a", "b"], rows
     )
+    startup.plot(["a", "b"], runs, tmp_path / "startup.png")  # (the panels: revisions.dots)
+    assert (tmp_path / "startup.png").stat().st_size > 0
     busy = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\n"
                              "while time.process_time() - t < 0.5: pass\ntime.sleep(30)"])  # fmt: skip
     try:

@@ -21,12 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import (
-    ExpertGatingFuncType,
-    GGMLQuantizationType,
-    GGUFReader,
-    ReaderTensor,
-)
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, ReaderTensor
 from safetensors.torch import save_file
 
 from services.model_loader.errors import ModelLoadError
